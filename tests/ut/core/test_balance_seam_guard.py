@@ -1,0 +1,125 @@
+"""Guard tests: fail loudly, with a message naming the seam, when the installed vLLM moves it.
+
+Balance scheduling copies no vLLM code; it relies on a few properties of the installed vLLM.
+Each test here pins one of them by inspecting upstream's source, so a vLLM upgrade that breaks
+one is caught here rather than as a scheduler that silently stops balancing.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.engine.core import EngineCore
+
+from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
+from vllm_ascend.core.balance_seam import inspect_schedule, schedule_seam_problems
+from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
+
+Scheduler = genuine_vllm_scheduler()
+
+# Methods of vLLM's Scheduler that read ``_pause_state`` directly. Code among them that runs
+# *inside* schedule() sees the gate's transient PAUSED_NEW; a new reader must be reviewed.
+KNOWN_PAUSE_STATE_READERS = {
+    "__init__", "schedule", "pause_state", "set_pause_state", "get_num_unfinished_requests",
+}
+
+
+def _methods_reading(cls: type, attribute: str) -> set[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef)
+    readers = set()
+    for node in class_def.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if any(isinstance(n, ast.Attribute) and n.attr == attribute for n in ast.walk(node)):
+                readers.add(node.name)
+    return readers
+
+
+def test_pause_state_has_the_three_states_the_gate_uses() -> None:
+    assert {s.name for s in PauseState} >= {"UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"}, (
+        "vLLM's PauseState lost a member the balance gate relies on")
+
+
+@pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
+def test_admission_only_under_the_unpaused_guard(scheduler_cls: type) -> None:
+    problems = schedule_seam_problems(scheduler_cls)
+    assert not problems, (
+        "SEAM MOVED: vLLM's schedule() no longer keeps all waiting-request admission under "
+        "`self._pause_state == PauseState.UNPAUSED`, so the balance gate (a transient "
+        "PAUSED_NEW) would not stop admissions. Revisit vllm_ascend/core/balance_seam.py:\n"
+        + "\n".join(problems))
+
+
+def test_upstream_schedule_has_admission_sites_to_guard() -> None:
+    report = inspect_schedule(Scheduler)
+    # 0.18.0 has peeks/pops of the waiting queues, the queue selector and running.append.
+    assert report.admission_sites >= 3, (
+        f"SEAM MOVED: only {report.admission_sites} admission sites found in "
+        "Scheduler.schedule(); admission may have moved into a helper the check cannot see")
+
+
+def test_pause_state_readers_are_the_reviewed_ones() -> None:
+    readers = _methods_reading(Scheduler, "_pause_state")
+    assert readers == KNOWN_PAUSE_STATE_READERS, (
+        f"SEAM MOVED: methods of vLLM's Scheduler reading _pause_state changed: new "
+        f"{sorted(readers - KNOWN_PAUSE_STATE_READERS)}, gone "
+        f"{sorted(KNOWN_PAUSE_STATE_READERS - readers)}. A new reader called during schedule() "
+        "would observe the gate's transient PAUSED_NEW: review it and update the README.")
+
+
+def test_the_check_detects_an_unguarded_admission() -> None:
+    class AdmitsWithoutGuard(Scheduler):  # type: ignore[misc,valid-type]
+        def schedule(self):  # type: ignore[no-untyped-def]
+            request = self.waiting.pop_request()
+            self.running.append(request)
+            return super().schedule()
+
+    problems = schedule_seam_problems(AdmitsWithoutGuard)
+    assert len(problems) == 2 and all("outside the UNPAUSED guard" in p for p in problems)
+
+
+def test_the_check_detects_paused_new_given_another_meaning() -> None:
+    class SpecialCasesPausedNew(Scheduler):  # type: ignore[misc,valid-type]
+        def schedule(self):  # type: ignore[no-untyped-def]
+            if self._pause_state == PauseState.PAUSED_NEW:
+                self.running.clear()
+            return super().schedule()
+
+    problems = schedule_seam_problems(SpecialCasesPausedNew)
+    assert problems and "unexpected way" in problems[0]
+
+
+def test_the_check_detects_admission_moved_out_of_schedule() -> None:
+    class AdmitsInAHelper(Scheduler):  # type: ignore[misc,valid-type]
+        def schedule(self):  # type: ignore[no-untyped-def]
+            return self._schedule_everything()
+
+    problems = schedule_seam_problems(AdmitsInAHelper)
+    assert problems and "does not call super().schedule()" in problems[0]
+
+
+def test_the_mixin_itself_is_skipped_and_delegates() -> None:
+    assert "schedule" in BalanceSchedulingMixin.__dict__
+    assert inspect_schedule(BalanceSchedulingMixin).delegates_to_super
+
+
+def test_engine_core_loads_plugins_before_resolving_the_scheduler_class() -> None:
+    """The activation seam: our vllm.general_plugins entry point must run first."""
+    source = textwrap.dedent(inspect.getsource(EngineCore.__init__))
+    plugins_at = source.find("load_general_plugins()")
+    resolve_at = source.find("get_scheduler_cls()")
+    assert 0 <= plugins_at < resolve_at, (
+        "SEAM MOVED: EngineCore.__init__ no longer loads general plugins before "
+        "get_scheduler_cls(); the balance plugin would be too late to wrap the class")
+
+
+def test_scheduler_class_is_resolved_through_scheduler_config() -> None:
+    assert callable(SchedulerConfig.__dict__.get("get_scheduler_cls")), (
+        "SEAM MOVED: SchedulerConfig.get_scheduler_cls is gone; the plugin wraps it")

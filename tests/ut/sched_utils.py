@@ -1,0 +1,128 @@
+"""Builds real vLLM configs, schedulers and requests on CPU, offline, for the unit tests.
+
+The model is a tiny directory generated on disk (a Llama ``config.json`` and a word-level
+tokenizer), so nothing is ever loaded from a model hub. Helpers return real vLLM objects; tests
+drive them with fake model outputs (``ModelRunnerOutput``), as vLLM's own scheduler tests do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+EOS_TOKEN_ID = 1
+VOCAB = ["<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(125)]
+BLOCK_SIZE = 16
+
+
+def write_tiny_model(directory: Path, moe: bool = False) -> Path:
+    """A Llama-shaped (or Mixtral-shaped, ``moe=True``) model directory with a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(VOCAB),
+        "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32", "rms_norm_eps": 1e-5,
+    }
+    if moe:
+        config.update({"num_local_experts": 4, "num_experts_per_tok": 2})
+    (directory / "config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(directory)
+    return directory
+
+
+def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 4, max_num_batched_tokens: int = 256,
+                     max_model_len: int = 1024, dp_size: int = 1, async_scheduling: bool = False,
+                     enable_prefix_caching: bool = False, num_blocks: int = 1000,
+                     kv_transfer_config: KVTransferConfig | None = None,
+                     scheduler_cls: str | type | None = None) -> VllmConfig:
+    model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32",
+                               max_model_len=max_model_len, seed=0)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, enable_chunked_prefill=True,
+        async_scheduling=async_scheduling, is_encoder_decoder=False,
+        **({"scheduler_cls": scheduler_cls} if scheduler_cls is not None else {}))
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    cache_config.num_gpu_blocks = num_blocks
+    parallel_config = ParallelConfig(data_parallel_size=dp_size)
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                      cache_config=cache_config, parallel_config=parallel_config,
+                      device_config=DeviceConfig(device="cpu"),
+                      kv_transfer_config=kv_transfer_config)
+
+
+def kv_cache_config_for(vllm_config: VllmConfig) -> KVCacheConfig:
+    num_blocks = vllm_config.cache_config.num_gpu_blocks or 1000
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+
+
+def build_scheduler(scheduler_cls: type, vllm_config: VllmConfig) -> Any:
+    """Construct ``scheduler_cls`` exactly as vLLM's EngineCore does (keyword arguments)."""
+    return scheduler_cls(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config_for(vllm_config),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        include_finished_set=False, log_stats=True, block_size=BLOCK_SIZE)
+
+
+_none_hash_ready = False
+
+
+def make_request(request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4,
+                 arrival_time: float | None = None, **sampling: Any) -> Request:
+    global _none_hash_ready
+    if not _none_hash_ready:
+        init_none_hash(sha256)
+        _none_hash_ready = True
+    params = SamplingParams(ignore_eos=True, max_tokens=max_tokens, **sampling)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    prompt = [3 + (hash(request_id) + i) % 100 for i in range(num_prompt_tokens)]
+    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                   pooling_params=None, arrival_time=arrival_time,
+                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+
+
+def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) -> ModelRunnerOutput:
+    """One sampled token per scheduled request, none for a request still mid-prefill."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [token_id] for r in req_ids]
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=[])
+
+
+def step(scheduler: Any) -> tuple[Any, Any]:
+    """One engine step: schedule, fake the model, feed the output back."""
+    output = scheduler.schedule()
+    engine_outputs = scheduler.update_from_output(output, fake_model_output(scheduler, output))
+    return output, engine_outputs

@@ -1,0 +1,191 @@
+"""Balance scheduling for data-parallel serving, as a mixin over the installed vLLM scheduler.
+
+Every DP rank of a MoE model steps in lockstep, so one rank's prefill stalls all of them. With
+balance scheduling each rank keeps ``balance_queue``: every rank's ``len(running)`` as gathered
+at the end of the previous step (``balance_gather``, called by the DP engine loop). While any rank
+is at its cap (``max_num_seqs``), no rank admits new waiting requests; running requests are
+scheduled as usual. Admissions therefore happen together and decode stays steady.
+
+vllm-ascend implements this by copying vLLM's whole ``Scheduler.schedule()``. Here nothing is
+copied: the gate reaches the admission block through its existing guard,
+``self._pause_state == PauseState.UNPAUSED``. A gated step runs the inherited ``schedule()`` with
+the state transiently set to ``PAUSED_NEW`` (see ``balance_seam`` for why that is exactly "admit
+nothing new", and for the check that refuses classes where it is not).
+
+What code running *inside* a gated step observes: ``self._pause_state`` reads ``PAUSED_NEW`` (so
+e.g. ``get_num_unfinished_requests()`` called from a connector during ``schedule()`` counts only
+running requests); the public ``pause_state`` property keeps reporting the real state. A real
+pause requested during the step through ``set_pause_state`` is kept and wins when the step ends.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from vllm_ascend.core.balance_config import (
+    BALANCE_SCHEDULING_ENV,
+    balance_scheduling_flag,
+    check_balance_scheduling_supported,
+)
+from vllm_ascend.core.balance_seam import schedule_seam_problems
+from vllm_ascend.core.balance_upstream import copied_schedule_classes, genuine_vllm_scheduler
+
+logger = init_logger(__name__)
+
+class GateRule(str, enum.Enum):
+    """When the gate closes, relative to ``max_num_seqs`` (the cap).
+
+    ``CAP`` (upstream since vllm-ascend PR #8674): some rank is at its cap. ``CAP_MINUS_ONE``
+    (the briefly shipped, reverted rule): some rank is within one request of it; kept to measure
+    the latency/throughput trade-off.
+    """
+
+    CAP = "cap"
+    CAP_MINUS_ONE = "cap-1"
+
+
+class BalanceSchedulingMixin:
+    """Adds the balance gate to any vLLM scheduler class (``Scheduler``, ``AsyncScheduler``...).
+
+    Put it first in the bases, before the scheduler class; the constructor takes exactly the
+    arguments of the class it is mixed into and forwards them untouched.
+    """
+
+    # Provided by vLLM's Scheduler.
+    vllm_config: VllmConfig
+    running: list[Any]
+    max_num_running_reqs: int
+    _pause_state: PauseState
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.balance_enabled: bool = balance_scheduling_flag()
+        dp_size = self.vllm_config.parallel_config.data_parallel_size
+        # One int32 CPU tensor per DP rank, as upstream: callers index and all_gather into it.
+        self.balance_queue: list[torch.Tensor] = [
+            torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
+        self.balance_gate_rule: GateRule = GateRule.CAP
+        self.balance_gated_steps: int = 0
+        self._balance_gate_active = False
+        self._balance_pause_requested: PauseState | None = None
+        if not self.balance_enabled:
+            return
+        check_balance_scheduling_supported(self.vllm_config)
+        problems = [
+            f"{klass.__module__}.{klass.__qualname__} is vllm-ascend's copy of schedule(), "
+            "which this patch set replaces" for klass in copied_schedule_classes(type(self))]
+        problems += schedule_seam_problems(type(self), skip=(BalanceSchedulingMixin,))
+        if problems:
+            raise RuntimeError(
+                f"Balance scheduling cannot gate {type(self).__qualname__}: its schedule() does "
+                "not honour the pause-state seam the gate relies on:\n  - "
+                + "\n  - ".join(problems)
+                + f"\nUse a scheduler class that does, or unset {BALANCE_SCHEDULING_ENV}.")
+        if dp_size == 1:
+            logger.warning_once(
+                "%s=1 has no effect with data_parallel_size=1 (nothing to balance); the "
+                "scheduler runs as stock vLLM.", BALANCE_SCHEDULING_ENV)
+        else:
+            logger.info_once(
+                "Balance scheduling on: %s over %d DP ranks, cap max_num_seqs=%d.",
+                type(self).__qualname__, dp_size, self.max_num_running_reqs)
+
+    @property
+    def balance_gate_threshold(self) -> int:
+        """Running count at which a rank closes the gate for every rank."""
+        if self.balance_gate_rule is GateRule.CAP_MINUS_ONE:
+            # Never 0: a threshold of 0 would freeze admission on an empty cluster forever.
+            return max(self.max_num_running_reqs - 1, 1)
+        return self.max_num_running_reqs
+
+    def balance_gather(self, dp_group: ProcessGroup) -> None:
+        """All-gather every rank's ``len(self.running)`` into ``balance_queue``.
+
+        Collective: every rank of ``dp_group`` must call it the same number of times (the DP
+        engine loop does, once per active step). No-op when balance is off or DP size is 1.
+        """
+        if not self.balance_enabled or len(self.balance_queue) == 1:
+            return
+        local = torch.tensor([len(self.running)], dtype=torch.int32)
+        dist.all_gather(self.balance_queue, local, group=dp_group)
+
+    def balance_gate_closed(self) -> bool:
+        """True when this step must admit no new request (some rank was at the threshold)."""
+        if not self.balance_enabled:
+            return False
+        return max(int(count.item()) for count in self.balance_queue) >= self.balance_gate_threshold
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        # A real pause already does at least what the gate would: never override it.
+        if self._pause_state != PauseState.UNPAUSED or not self.balance_gate_closed():
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.balance_gated_steps += 1
+        # Set directly: set_pause_state is the public "real pause" API (and logs in newer vLLM).
+        self._pause_state = PauseState.PAUSED_NEW
+        self._balance_gate_active = True
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._balance_gate_active = False
+            requested, self._balance_pause_requested = self._balance_pause_requested, None
+            if requested is not None:
+                self._pause_state = requested
+            elif self._pause_state == PauseState.PAUSED_NEW:
+                self._pause_state = PauseState.UNPAUSED
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        super().set_pause_state(pause_state)  # type: ignore[misc]
+        if self._balance_gate_active:
+            # Remember it so the gate's restore at the end of the step cannot lose it.
+            self._balance_pause_requested = pause_state
+
+    @property
+    def pause_state(self) -> PauseState:
+        if self._balance_gate_active and self._balance_pause_requested is None:
+            return PauseState.UNPAUSED
+        return self._pause_state
+
+
+def _balanced_subclass(base: type) -> type:
+    attrs = {
+        "__module__": __name__,
+        "__qualname__": f"Balance{base.__qualname__}",
+        "__doc__": f"{base.__qualname__} with balance scheduling (see BalanceSchedulingMixin).",
+    }
+    return type(f"Balance{base.__name__}", (BalanceSchedulingMixin, base), attrs)
+
+
+_GenuineScheduler = genuine_vllm_scheduler()
+
+
+class BalanceScheduler(BalanceSchedulingMixin, _GenuineScheduler):  # type: ignore[misc,valid-type]
+    """vLLM's ``Scheduler`` with balance scheduling; constructor arguments exactly vLLM's."""
+
+
+class BalanceAsyncScheduler(BalanceSchedulingMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (the default with async scheduling) with balance scheduling."""
+
+
+_BALANCED_CLASSES: dict[type, type] = {
+    _GenuineScheduler: BalanceScheduler,
+    AsyncScheduler: BalanceAsyncScheduler,
+}
+
+
+def balance_scheduler_class(base: type) -> type:
+    """The balanced version of ``base`` (whatever vLLM's config resolved), created once."""
+    if issubclass(base, BalanceSchedulingMixin):
+        return base
+    if base not in _BALANCED_CLASSES:
+        _BALANCED_CLASSES[base] = _balanced_subclass(base)
+    return _BALANCED_CLASSES[base]
