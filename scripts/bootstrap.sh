@@ -28,17 +28,23 @@ command -v "$python_bin" >/dev/null 2>&1 || python_bin=python3
   echo "bootstrap: Python 3.11 is required (found $("$python_bin" --version 2>&1))" >&2; exit 2; }
 
 stamp_inputs="$line vllm==$vllm_version vllm-ascend==$ascend_version torch==2.13.0 \
-$(sha256sum requirements/"$line".txt requirements/test.txt | cut -c1-16 | tr '\n' ' ')"
+$(sha256sum requirements/"$line".txt requirements/test.txt requirements/tools.txt | cut -c1-16 | tr '\n' ' ')"
 stamp="$venv/.balance-bootstrap-stamp"
+
+# Several shells (or helper sessions) may run this at once: one installer at a time per venv.
+mkdir -p "$venv"
+exec 9>"$venv.lock"
+flock 9
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_inputs" ] && [ -x "$venv/bin/python" ]; then
   echo "bootstrap: $venv is current for $line" >&2
 else
   echo "bootstrap: building $venv for $line (vllm $vllm_version, vllm-ascend $ascend_version)" >&2
-  [ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
+  [ -x "$venv/bin/python" ] || "$python_bin" -m venv --clear "$venv"
   pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install torch==2.13.0
-  "${pip[@]}" install --no-deps -r requirements/"$line".txt -r requirements/test.txt
+  "${pip[@]}" install --no-deps -r requirements/"$line".txt -r requirements/test.txt \
+    -r requirements/tools.txt
   "${pip[@]}" install --no-deps "vllm==$vllm_version" "vllm-ascend==$ascend_version"
   # A CUDA torch or torch_npu in this env would be a bootstrap bug: refuse loudly.
   "$venv/bin/python" - <<'EOF'

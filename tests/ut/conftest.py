@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 os.environ["VLLM_PLUGINS"] = "ascend_balance_scheduling"
@@ -22,6 +23,7 @@ os.environ.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)
 import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # offline_vllm: tiny model, configs, requests
 # Where each working-tree source directory is installed (see setup.py's package_dir).
 INSTALLED_PACKAGES = {
     "vllm_ascend/core": "vllm_ascend.core",
@@ -50,14 +52,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sched_utils import write_tiny_model
+    from offline_vllm import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sched_utils import write_tiny_model
+    from offline_vllm import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), moe=True)
 

@@ -68,8 +68,11 @@ class BalanceSchedulingMixin:
     _pause_state: PauseState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        enabled = balance_scheduling_flag()
+        if enabled:  # Before building anything: a class the gate cannot control is refused.
+            _refuse_unsound_scheduler_class(type(self))
         super().__init__(*args, **kwargs)
-        self.balance_enabled: bool = balance_scheduling_flag()
+        self.balance_enabled: bool = enabled
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         # One int32 CPU tensor per DP rank, as upstream: callers index and all_gather into it.
         self.balance_queue: list[torch.Tensor] = [
@@ -78,19 +81,9 @@ class BalanceSchedulingMixin:
         self.balance_gated_steps: int = 0
         self._balance_gate_active = False
         self._balance_pause_requested: PauseState | None = None
-        if not self.balance_enabled:
+        if not enabled:
             return
         check_balance_scheduling_supported(self.vllm_config)
-        problems = [
-            f"{klass.__module__}.{klass.__qualname__} is vllm-ascend's copy of schedule(), "
-            "which this patch set replaces" for klass in copied_schedule_classes(type(self))]
-        problems += schedule_seam_problems(type(self), skip=(BalanceSchedulingMixin,))
-        if problems:
-            raise RuntimeError(
-                f"Balance scheduling cannot gate {type(self).__qualname__}: its schedule() does "
-                "not honour the pause-state seam the gate relies on:\n  - "
-                + "\n  - ".join(problems)
-                + f"\nUse a scheduler class that does, or unset {BALANCE_SCHEDULING_ENV}.")
         if dp_size == 1:
             logger.warning_once(
                 "%s=1 has no effect with data_parallel_size=1 (nothing to balance); the "
@@ -154,6 +147,19 @@ class BalanceSchedulingMixin:
         if self._balance_gate_active and self._balance_pause_requested is None:
             return PauseState.UNPAUSED
         return self._pause_state
+
+
+def _refuse_unsound_scheduler_class(scheduler_cls: type) -> None:
+    problems = [
+        f"{klass.__module__}.{klass.__qualname__} is vllm-ascend's copy of schedule(), "
+        "which this patch set replaces" for klass in copied_schedule_classes(scheduler_cls)]
+    problems += schedule_seam_problems(scheduler_cls, skip=(BalanceSchedulingMixin,))
+    if problems:
+        raise RuntimeError(
+            f"Balance scheduling cannot gate {scheduler_cls.__qualname__}: its schedule() does "
+            "not honour the pause-state seam the gate relies on:\n  - "
+            + "\n  - ".join(problems)
+            + f"\nUse a scheduler class that does, or unset {BALANCE_SCHEDULING_ENV}.")
 
 
 def _balanced_subclass(base: type) -> type:

@@ -1,8 +1,10 @@
-"""Builds real vLLM configs, schedulers and requests on CPU, offline, for the unit tests.
+"""Builds real vLLM configs, schedulers and requests on CPU, offline.
 
-The model is a tiny directory generated on disk (a Llama ``config.json`` and a word-level
-tokenizer), so nothing is ever loaded from a model hub. Helpers return real vLLM objects; tests
-drive them with fake model outputs (``ModelRunnerOutput``), as vLLM's own scheduler tests do.
+Shared by the unit tests, the demo, the simulator, the soak and the benchmarks (each puts this
+directory on ``sys.path``). The model is a tiny directory generated on disk (a Llama or Mixtral
+``config.json`` and a word-level tokenizer), so nothing is ever loaded from a model hub. Helpers
+return real vLLM objects; callers drive them with fake model outputs (``ModelRunnerOutput``), as
+vLLM's own scheduler tests do.
 """
 
 from __future__ import annotations

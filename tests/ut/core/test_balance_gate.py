@@ -1,0 +1,312 @@
+"""The balance gate on real vLLM schedulers: when it closes, what it keeps, what it never does."""
+
+from __future__ import annotations
+
+import inspect
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from offline_vllm import build_scheduler, make_request, make_vllm_config, step
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+
+from vllm_ascend.core import balance_scheduler as balance_module
+from vllm_ascend.core.balance_config import balance_scheduling_flag
+from vllm_ascend.core.balance_scheduler import (
+    BalanceAsyncScheduler,
+    BalanceScheduler,
+    GateRule,
+    balance_scheduler_class,
+)
+from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
+
+Scheduler = genuine_vllm_scheduler()
+CAP = 4
+
+
+def gathered(scheduler: Any, counts: list[int]) -> None:
+    """What balance_gather would have left after the previous step."""
+    assert len(counts) == len(scheduler.balance_queue)
+    for slot, count in zip(scheduler.balance_queue, counts):
+        slot.fill_(count)
+
+
+def new_ids(output: Any) -> list[str]:
+    return [r.req_id for r in output.scheduled_new_reqs]
+
+
+def trace(scheduler: Any, arrivals: dict[int, list[Any]], steps: int) -> list[tuple]:
+    """Per step: admitted ids, scheduled tokens, preempted ids, finished ids."""
+    seen = []
+    for index in range(steps):
+        for request in arrivals.get(index, []):
+            scheduler.add_request(request)
+        output, engine_outputs = step(scheduler)
+        finished = sorted(o.request_id for eo in engine_outputs.values() for o in eo.outputs
+                          if o.finish_reason is not None)
+        seen.append((new_ids(output), dict(output.num_scheduled_tokens),
+                     sorted(output.preempted_req_ids or ()), finished))
+    return seen
+
+
+def random_arrivals(seed: int, count: int = 24) -> dict[int, list[Any]]:
+    rng = random.Random(seed)
+    arrivals: dict[int, list[Any]] = {}
+    for i in range(count):
+        arrivals.setdefault(rng.randrange(20), []).append(
+            make_request(f"r{seed}-{i}", num_prompt_tokens=rng.randrange(4, 120),
+                         max_tokens=rng.randrange(1, 12)))
+    return arrivals
+
+
+@pytest.fixture
+def config(tiny_model: Path) -> Any:
+    return make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2)
+
+
+# ---- the switch ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (None, False)])
+def test_flag_values(monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", value)
+    assert balance_scheduling_flag() is expected
+
+
+@pytest.mark.parametrize("value", ["true", "2", "", " 1", "on"])
+def test_bad_flag_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", value)
+    with pytest.raises(ValueError, match=r"VLLM_ASCEND_BALANCE_SCHEDULING=.*accepted values"):
+        balance_scheduling_flag()
+
+
+def test_bad_flag_value_refuses_to_build_a_scheduler(monkeypatch: pytest.MonkeyPatch,
+                                                     config: Any) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "yes")
+    with pytest.raises(ValueError, match="VLLM_ASCEND_BALANCE_SCHEDULING"):
+        build_scheduler(BalanceScheduler, config)
+
+
+# ---- construction ---------------------------------------------------------------------------
+
+def test_constructor_takes_vllm_arguments_positionally_too(balance_on: None, config: Any) -> None:
+    keyword_built = build_scheduler(BalanceScheduler, config)
+    names = list(inspect.signature(Scheduler.__init__).parameters)[1:5]
+    assert names == ["vllm_config", "kv_cache_config", "structured_output_manager", "block_size"]
+    positional = BalanceScheduler(config, keyword_built.kv_cache_config,
+                                  keyword_built.structured_output_manager, 16)
+    assert isinstance(positional, Scheduler) and positional.balance_enabled
+
+
+def test_balance_queue_is_one_int32_cpu_tensor_per_rank(balance_on: None, tiny_model: Path) -> None:
+    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, dp_size=3))
+    assert len(scheduler.balance_queue) == 3
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" and t.shape == (1,)
+               for t in scheduler.balance_queue)
+
+
+def test_balanced_classes_wrap_what_vllm_would_use() -> None:
+    assert balance_scheduler_class(Scheduler) is BalanceScheduler
+    assert balance_scheduler_class(AsyncScheduler) is BalanceAsyncScheduler
+    assert balance_scheduler_class(BalanceScheduler) is BalanceScheduler
+    assert issubclass(BalanceAsyncScheduler, AsyncScheduler)
+
+
+# ---- the gate --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheduler_cls", [BalanceScheduler, BalanceAsyncScheduler])
+def test_gate_freezes_admission_while_any_rank_is_at_cap(balance_on: None, tiny_model: Path,
+                                                         scheduler_cls: type) -> None:
+    config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2,
+                              async_scheduling=scheduler_cls is BalanceAsyncScheduler)
+    scheduler = build_scheduler(scheduler_cls, config)
+    first = [make_request(f"a{i}", max_tokens=50) for i in range(2)]
+    for request in first:
+        scheduler.add_request(request)
+    assert new_ids(step(scheduler)[0]) == ["a0", "a1"]
+
+    later = [make_request(f"b{i}", max_tokens=50) for i in range(3)]
+    for request in later:
+        scheduler.add_request(request)
+    gathered(scheduler, [2, CAP])  # the other rank is at its cap
+    for _ in range(3):
+        output, _ = step(scheduler)
+        assert new_ids(output) == []
+        # Running requests keep decoding while the gate is closed.
+        assert set(output.num_scheduled_tokens) == {"a0", "a1"}
+    assert [r.request_id for r in scheduler.waiting] == ["b0", "b1", "b2"]  # FCFS kept
+    assert scheduler.balance_gated_steps == 3
+    assert scheduler.pause_state == PauseState.UNPAUSED
+
+    gathered(scheduler, [2, CAP - 1])  # no rank at cap any more
+    output, _ = step(scheduler)
+    assert new_ids(output) == ["b0", "b1"]  # local cap 4 allows two more, in order
+    assert [r.request_id for r in scheduler.waiting] == ["b2"]
+
+
+def test_gate_rule_cap_minus_one(balance_on: None, config: Any) -> None:
+    scheduler = build_scheduler(BalanceScheduler, config)
+    scheduler.add_request(make_request("a"))
+    gathered(scheduler, [0, CAP - 1])
+    assert not scheduler.balance_gate_closed()
+    scheduler.balance_gate_rule = GateRule.CAP_MINUS_ONE
+    assert scheduler.balance_gate_closed()
+    assert new_ids(step(scheduler)[0]) == []
+
+
+def test_gate_rule_cap_minus_one_never_freezes_an_idle_cluster(balance_on: None,
+                                                               tiny_model: Path) -> None:
+    scheduler = build_scheduler(BalanceScheduler,
+                                make_vllm_config(tiny_model, max_num_seqs=1, dp_size=2))
+    scheduler.balance_gate_rule = GateRule.CAP_MINUS_ONE
+    assert scheduler.balance_gate_threshold == 1
+    assert not scheduler.balance_gate_closed()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_open_gate_and_flag_off_schedule_exactly_like_stock_vllm(
+        monkeypatch: pytest.MonkeyPatch, tiny_model: Path, seed: int,
+        async_scheduling: bool) -> None:
+    def run(scheduler_cls: type, flag: str, counts: list[int]) -> list[tuple]:
+        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", flag)
+        config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=40,
+                                  async_scheduling=async_scheduling)
+        scheduler = build_scheduler(scheduler_cls, config)
+        if hasattr(scheduler, "balance_queue"):
+            gathered(scheduler, counts)
+        return trace(scheduler, random_arrivals(seed), steps=60)
+
+    stock_cls = AsyncScheduler if async_scheduling else Scheduler
+    ours_cls = BalanceAsyncScheduler if async_scheduling else BalanceScheduler
+    stock = run(stock_cls, "0", [])
+    assert run(ours_cls, "1", [0, CAP - 1]) == stock  # gate open
+    assert run(ours_cls, "0", [CAP, CAP]) == stock  # flag off: the gate never closes
+    assert sum(len(t[3]) for t in stock) == 24  # every request finished
+
+
+def test_flag_off_gathers_nothing(balance_off: None, config: Any, mocker: Any) -> None:
+    all_gather = mocker.patch.object(balance_module.dist, "all_gather")
+    scheduler = build_scheduler(BalanceScheduler, config)
+    scheduler.balance_gather(dp_group=None)
+    gathered(scheduler, [CAP, CAP])
+    assert not scheduler.balance_gate_closed()
+    all_gather.assert_not_called()
+
+
+def test_dp_size_one_warns_and_never_gathers(balance_on: None, tiny_model: Path,
+                                             mocker: Any) -> None:
+    all_gather = mocker.patch.object(balance_module.dist, "all_gather")
+    warning_once = mocker.patch.object(balance_module.logger, "warning_once")
+    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, dp_size=1))
+    scheduler.balance_gather(dp_group=None)
+    all_gather.assert_not_called()
+    warning_once.assert_called_once()
+    assert "no effect" in warning_once.call_args.args[0]
+
+
+# ---- pause states ------------------------------------------------------------------------------
+
+def _running_and_waiting(config: Any) -> Any:
+    scheduler = build_scheduler(BalanceScheduler, config)
+    scheduler.add_request(make_request("run", max_tokens=50))
+    step(scheduler)
+    scheduler.add_request(make_request("wait", max_tokens=50))
+    return scheduler
+
+
+@pytest.mark.parametrize("gate_closed", [False, True])
+def test_paused_all_schedules_nothing(balance_on: None, config: Any, gate_closed: bool) -> None:
+    scheduler = _running_and_waiting(config)
+    gathered(scheduler, [CAP if gate_closed else 0, 0])
+    scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    output, _ = step(scheduler)
+    assert output.total_num_scheduled_tokens == 0
+    assert scheduler.pause_state == PauseState.PAUSED_ALL
+    assert scheduler.balance_gated_steps == 0  # a real pause is never "overridden" by the gate
+
+
+@pytest.mark.parametrize("gate_closed", [False, True])
+def test_paused_new_schedules_running_only(balance_on: None, config: Any,
+                                           gate_closed: bool) -> None:
+    scheduler = _running_and_waiting(config)
+    gathered(scheduler, [CAP if gate_closed else 0, 0])
+    scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    output, _ = step(scheduler)
+    assert set(output.num_scheduled_tokens) == {"run"} and new_ids(output) == []
+    assert scheduler.pause_state == PauseState.PAUSED_NEW  # still paused after the step
+    scheduler.set_pause_state(PauseState.UNPAUSED)
+    assert new_ids(step(scheduler)[0]) == ([] if gate_closed else ["wait"])
+
+
+@pytest.mark.parametrize("requested", [PauseState.PAUSED_NEW, PauseState.PAUSED_ALL,
+                                       PauseState.UNPAUSED])
+def test_a_pause_requested_during_a_gated_step_is_kept(balance_on: None, config: Any,
+                                                       requested: PauseState) -> None:
+    scheduler = _running_and_waiting(config)
+    gathered(scheduler, [0, CAP])
+    seen_inside: list[PauseState] = []
+    original_new_step = scheduler.kv_cache_manager.new_step_starts
+
+    def pause_mid_step() -> None:  # e.g. an engine-core callback running inside schedule()
+        seen_inside.append(scheduler.pause_state)
+        scheduler.set_pause_state(requested)
+        original_new_step()
+
+    scheduler.kv_cache_manager.new_step_starts = pause_mid_step
+    step(scheduler)
+    assert seen_inside == [PauseState.UNPAUSED]  # the public view is the real state
+    assert scheduler.pause_state == requested
+    assert scheduler._pause_state == requested
+
+
+def test_gate_state_is_restored_when_schedule_raises(balance_on: None, config: Any) -> None:
+    scheduler = _running_and_waiting(config)
+    gathered(scheduler, [CAP, 0])
+
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    scheduler.kv_cache_manager.new_step_starts = fail
+    with pytest.raises(RuntimeError, match="boom"):
+        scheduler.schedule()
+    assert scheduler._pause_state == PauseState.UNPAUSED
+
+
+# ---- forwarding and foreign classes -------------------------------------------------------------
+
+def test_schedule_arguments_are_forwarded_untouched(balance_on: None, config: Any) -> None:
+    received: list[tuple] = []
+
+    class ThrottlingScheduler(Scheduler):  # type: ignore[misc,valid-type]
+        def schedule(self, throttle_prefills: bool = False, *rest: Any, **extra: Any) -> Any:
+            received.append((throttle_prefills, rest, extra))
+            return super().schedule()
+
+    scheduler = build_scheduler(balance_scheduler_class(ThrottlingScheduler), config)
+    scheduler.schedule(True, "x", key=1)
+    gathered(scheduler, [CAP, 0])
+    scheduler.schedule(True)
+    assert received == [(True, ("x",), {"key": 1}), (True, (), {})]
+
+
+def test_a_class_that_ignores_the_seam_is_refused(balance_on: None, config: Any) -> None:
+    from vllm_ascend.core.scheduler_dynamic_batch import SchedulerDynamicBatch
+
+    with pytest.raises(RuntimeError, match=r"SchedulerDynamicBatch.*outside the UNPAUSED guard"):
+        build_scheduler(balance_scheduler_class(SchedulerDynamicBatch), config)
+
+
+def test_pd_disaggregated_role_is_refused(balance_on: None, tiny_model: Path) -> None:
+    from vllm.config import KVTransferConfig
+
+    for role in ("kv_producer", "kv_consumer"):
+        config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role=role))
+        with pytest.raises(ValueError, match=f"PD-mixed.*{role}"):
+            build_scheduler(BalanceScheduler, config)
