@@ -11,4 +11,4 @@ venv="$("$root/scripts/bootstrap.sh" "$line")"
 cd "$root"
 # The venv's pytest (not `python -m pytest`, which would put the repo root on sys.path): the
 # installed project is what runs, and conftest.py fails the session if it is not the working tree.
-exec "$venv/bin/pytest" tests/ut "$@"
+exec "$venv/bin/pytest" "$@"  # with no path given, pytest.ini testpaths: tests/ut

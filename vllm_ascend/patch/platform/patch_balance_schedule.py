@@ -57,6 +57,17 @@ def is_registered() -> bool:
     return getattr(SchedulerConfig.get_scheduler_cls, _WRAPPED_MARK, False)
 
 
+def unregister() -> None:
+    """Undo ``register`` in this process (vLLM's own methods back, no module alias)."""
+    for owner, name in ((SchedulerConfig, "get_scheduler_cls"), (VllmConfig, "__post_init__")):
+        current = owner.__dict__[name]
+        if getattr(current, _WRAPPED_MARK, False):
+            setattr(owner, name, current.__wrapped__)
+    aliased = sys.modules.get(VLLM_ASCEND_COPYING_MODULE) is sys.modules[__name__]
+    if aliased and __name__ != VLLM_ASCEND_COPYING_MODULE:
+        del sys.modules[VLLM_ASCEND_COPYING_MODULE]
+
+
 def _wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable[..., Any]], Any]) -> None:
     original = owner.__dict__[name]
     if getattr(original, _WRAPPED_MARK, False):

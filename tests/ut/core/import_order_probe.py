@@ -1,0 +1,63 @@
+"""Run as a script by test_activation.py: imports vllm-ascend's real copying balance module and
+ours in a given order, then reports which scheduler classes vLLM's config resolves.
+
+A separate process because the copying module rebinds vLLM globals irreversibly. Its package
+``vllm_ascend.patch.platform.__init__`` imports NPU-only modules (torch_npu), so only that package
+object is stubbed (``__path__`` pointing at the real directory): the copying module itself is the
+release's real file, executed as vllm-ascend would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+COPYING_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
+
+
+def import_vllm_ascend_copy() -> None:
+    import vllm_ascend.patch
+
+    platform_dir = Path(vllm_ascend.patch.__file__).parent / "platform"
+    stub = types.ModuleType("vllm_ascend.patch.platform")
+    stub.__path__ = [str(platform_dir)]
+    sys.modules["vllm_ascend.patch.platform"] = stub
+    importlib.import_module(COPYING_MODULE)
+
+
+def main(order: str, model_dir: str) -> None:
+    os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+    from offline_vllm import make_vllm_config
+
+    from vllm_ascend_balance import patch_balance_schedule
+
+    if order == "theirs-first":
+        import_vllm_ascend_copy()
+        # vLLM imports this lazily; here it is first imported while the global is rebound.
+        import vllm.v1.core.sched.async_scheduler  # noqa: F401
+        patch_balance_schedule.register()
+    else:
+        patch_balance_schedule.register()
+        import_vllm_ascend_copy()
+
+    import vllm.v1.core.sched.scheduler as scheduler_module
+
+    copy_module = sys.modules[COPYING_MODULE]
+    report = {"copy_module_is_ours": copy_module is patch_balance_schedule}
+    for async_scheduling in (False, True):
+        config = make_vllm_config(Path(model_dir), dp_size=2, async_scheduling=async_scheduling)
+        resolved = config.scheduler_config.get_scheduler_cls()
+        report[f"async={async_scheduling}"] = [
+            f"{k.__module__}.{k.__qualname__}" for k in resolved.__mro__]
+    report["scheduler_global"] = (f"{scheduler_module.Scheduler.__module__}."
+                                  f"{scheduler_module.Scheduler.__qualname__}")
+    print("PROBE " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,201 @@
+"""Activation: the pip-installed plugin turns balance scheduling on in vLLM, and only when asked.
+
+Covers the entry point, what ``SchedulerConfig.get_scheduler_cls`` returns with the flag on and
+off, config-time refusal of PD-disaggregated roles, vllm-ascend's own copying module imported
+before or after ours, that the installed vllm-ascend files are untouched, and that without this
+distribution (uninstalled) vLLM is stock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as metadata
+import json
+import os
+import subprocess
+import sys
+from base64 import urlsafe_b64encode
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from offline_vllm import make_vllm_config
+from vllm.config import KVTransferConfig, SchedulerConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+import vllm.plugins
+from vllm_ascend.core.balance_scheduler import (
+    BalanceAsyncScheduler,
+    BalanceScheduler,
+    BalanceSchedulingMixin,
+)
+from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
+from vllm_ascend_balance import patch_balance_schedule
+
+DIST_NAME = "vllm-ascend-balance-scheduling"
+PLUGIN_NAME = "ascend_balance_scheduling"
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def registered(balance_on: None) -> Iterator[None]:
+    patch_balance_schedule.register()
+    yield
+    patch_balance_schedule.unregister()
+
+
+@pytest.fixture(autouse=True)
+def _always_unregistered() -> Iterator[None]:
+    yield
+    patch_balance_schedule.unregister()
+
+
+class CustomScheduler(genuine_vllm_scheduler()):  # type: ignore[misc]
+    """A user's scheduler_cls: balance must apply to it too."""
+
+
+def test_entry_point_is_registered_for_vllm() -> None:
+    points = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert points.get(PLUGIN_NAME) == "vllm_ascend_balance.patch_balance_schedule:register"
+
+
+def test_vllm_loads_the_plugin(balance_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()
+    assert patch_balance_schedule.is_registered()
+
+
+@pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
+                                                         (True, BalanceAsyncScheduler)])
+def test_flag_on_resolves_the_balanced_class(registered: None, tiny_model: Path,
+                                             async_scheduling: bool, expected: type) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling)
+    assert config.scheduler_config.get_scheduler_cls() is expected
+
+
+def test_a_configured_scheduler_cls_is_balanced_too(registered: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=CustomScheduler)
+    resolved = config.scheduler_config.get_scheduler_cls()
+    assert issubclass(resolved, CustomScheduler) and issubclass(resolved, BalanceSchedulingMixin)
+
+
+def test_flag_off_installs_nothing(balance_off: None, tiny_model: Path) -> None:
+    before = SchedulerConfig.__dict__["get_scheduler_cls"]
+    patch_balance_schedule.register()
+    assert SchedulerConfig.__dict__["get_scheduler_cls"] is before
+    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=True)
+    assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+
+
+def test_flag_turned_off_later_gives_stock_classes(registered: None, tiny_model: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "0")
+    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=False)
+    assert config.scheduler_config.get_scheduler_cls() is genuine_vllm_scheduler()
+
+
+def test_register_twice_wraps_once(registered: None) -> None:
+    wrapped = SchedulerConfig.__dict__["get_scheduler_cls"]
+    patch_balance_schedule.register()
+    assert SchedulerConfig.__dict__["get_scheduler_cls"] is wrapped
+    assert not getattr(wrapped.__wrapped__, "__balance_scheduling_wrapped__", False)
+
+
+def test_bad_flag_fails_at_plugin_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "true")
+    with pytest.raises(ValueError, match="VLLM_ASCEND_BALANCE_SCHEDULING='true'"):
+        patch_balance_schedule.register()
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_pd_disaggregated_role_fails_at_config_time(registered: None, tiny_model: Path,
+                                                    role: str) -> None:
+    with pytest.raises(ValueError, match=f"supports only PD-mixed.*{role}"):
+        make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role=role))
+
+
+def test_pd_mixed_role_is_accepted(registered: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_both"))
+    assert config.kv_transfer_config is not None
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
+def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Path,
+                                                                 order: str) -> None:
+    out = _run([sys.executable, str(HERE / "import_order_probe.py"), order, str(tiny_model)])
+    report: dict[str, Any] = json.loads(out.split("PROBE ", 1)[1].splitlines()[0])
+    for key, ours in (("async=False", "BalanceScheduler"), ("async=True", "BalanceAsyncScheduler")):
+        mro = report[key]
+        assert mro[0] == f"vllm_ascend.core.balance_scheduler.{ours}", mro
+        assert not any(name.startswith("vllm_ascend.patch.") for name in mro), mro
+    assert report["scheduler_global"] == "vllm.v1.core.sched.scheduler.Scheduler"
+    assert report["copy_module_is_ours"] is (order == "ours-first")
+
+
+def _record_hash(path: Path) -> str:
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def test_installed_vllm_ascend_files_are_untouched() -> None:
+    ascend = metadata.distribution("vllm-ascend")
+    ours = {str(f) for f in metadata.distribution(DIST_NAME).files or []}
+    checked = 0
+    for file in ascend.files or []:
+        assert str(file) not in ours, f"{file} belongs to vllm-ascend and to this project"
+        if file.hash is not None:
+            assert _record_hash(Path(str(file.locate()))) == f"{file.hash.mode}={file.hash.value}", file
+            checked += 1
+    assert checked > 100
+
+
+def _site_without(site: Path, excluded: set[Path], target: Path) -> None:
+    """Mirror ``site`` into ``target`` with symlinks, leaving out ``excluded`` files (and the
+    directories left empty without them), as ``pip uninstall`` would."""
+    target.mkdir()
+    for entry in site.iterdir():
+        inside = {p for p in excluded if entry == p or entry in p.parents}
+        if not inside:
+            (target / entry.name).symlink_to(entry)
+        elif entry.is_dir() and entry not in excluded:
+            _site_without(entry, inside, target / entry.name)
+    if not any(target.iterdir()):
+        target.rmdir()
+
+
+def test_without_this_distribution_vllm_is_stock(tmp_path: Path, tiny_model: Path) -> None:
+    """Uninstalled (its files absent from the path), the flag changes nothing in vLLM."""
+    dist = metadata.distribution(DIST_NAME)
+    site = Path(str(dist.locate_file("")))
+    excluded = {Path(str(dist.locate_file(f))) for f in dist.files or []}
+    _site_without(site, excluded, tmp_path / "site")
+    script = f"""
+import importlib.util, sys
+sys.path.insert(0, {str(HERE.parents[2] / 'scripts')!r})
+assert importlib.util.find_spec("vllm_ascend_balance") is None
+assert importlib.util.find_spec("vllm_ascend.core.balance_scheduler") is None
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+from pathlib import Path
+from offline_vllm import make_vllm_config
+for flag in (False, True):
+    cls = make_vllm_config(Path({str(tiny_model)!r}), dp_size=2,
+                           async_scheduling=flag).scheduler_config.get_scheduler_cls()
+    print("RESOLVED", cls.__module__ + "." + cls.__qualname__)
+"""
+    out = _run([sys.executable, "-S", "-c", script],
+               env={"PYTHONPATH": str(tmp_path / "site"), "VLLM_PLUGINS": PLUGIN_NAME,
+                    "VLLM_ASCEND_BALANCE_SCHEDULING": "1"})
+    resolved = [line.split()[1] for line in out.splitlines() if line.startswith("RESOLVED")]
+    assert resolved == ["vllm.v1.core.sched.scheduler.Scheduler",
+                        "vllm.v1.core.sched.async_scheduler.AsyncScheduler"]
