@@ -10,6 +10,7 @@ vLLM's own scheduler tests do.
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -101,17 +102,38 @@ _none_hash_ready = False
 
 
 def make_request(request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4,
-                 arrival_time: float | None = None, **sampling: Any) -> Request:
+                 arrival_time: float | None = None, resumable: bool = False,
+                 mm_features: list[Any] | None = None, **sampling: Any) -> Request:
     global _none_hash_ready
     if not _none_hash_ready:
         init_none_hash(sha256)
         _none_hash_ready = True
     params = SamplingParams(ignore_eos=True, max_tokens=max_tokens, **sampling)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
-    prompt = [3 + (hash(request_id) + i) % 100 for i in range(num_prompt_tokens)]
+    seed = zlib.crc32(request_id.encode())  # stable across processes, unlike hash()
+    prompt = [3 + (seed + i) % 100 for i in range(num_prompt_tokens)]
     return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   pooling_params=None, arrival_time=arrival_time,
+                   pooling_params=None, arrival_time=arrival_time, resumable=resumable,
+                   mm_features=mm_features,
                    block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+
+
+def make_json_request(vllm_config: VllmConfig, request_id: str, num_prompt_tokens: int = 8,
+                      max_tokens: int = 4) -> Request:
+    """A JSON-mode (structured-output) request, validated as vLLM's input processor does.
+
+    The caller must also hand it to ``scheduler.structured_output_manager.grammar_init`` (as
+    ``EngineCore.add_request`` does); it waits in ``WAITING_FOR_FSM`` until the grammar compiles.
+    """
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    request = make_request(request_id, num_prompt_tokens, max_tokens,
+                           structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    request.sampling_params.verify(vllm_config.model_config, None,
+                                   vllm_config.structured_outputs_config,
+                                   cached_tokenizer_from_config(vllm_config.model_config))
+    return request
 
 
 def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) -> ModelRunnerOutput:
