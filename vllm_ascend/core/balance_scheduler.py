@@ -40,7 +40,8 @@ from vllm_ascend.core.balance_config import (
 from vllm_ascend.core.balance_seam import schedule_seam_problems
 from vllm_ascend.core.balance_upstream import copied_schedule_classes, genuine_vllm_scheduler
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's logging configuration (handler, level, format) applies to it.
+logger = init_logger(f"vllm.{__name__}")
 
 class GateRule(str, enum.Enum):
     """When the gate closes, relative to ``max_num_seqs`` (the cap).

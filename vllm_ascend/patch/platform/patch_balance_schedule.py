@@ -37,7 +37,8 @@ from vllm_ascend.core.balance_upstream import (
     genuine_vllm_scheduler,
 )
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's logging configuration (handler, level, format) applies to it.
+logger = init_logger(f"vllm.{__name__}")
 
 # Marks our wrappers so a second register() (plugins load once per process, but tests and the
 # fork's import may call it again) never stacks a second wrapper.
