@@ -43,6 +43,7 @@ from vllm_ascend.core.balance_upstream import copied_schedule_classes, genuine_v
 # Under "vllm." so vLLM's logging configuration (handler, level, format) applies to it.
 logger = init_logger(f"vllm.{__name__}")
 
+
 class GateRule(str, enum.Enum):
     """When the gate closes, relative to ``max_num_seqs`` (the cap).
 
@@ -75,9 +76,11 @@ class BalanceSchedulingMixin:
         super().__init__(*args, **kwargs)
         self.balance_enabled: bool = enabled
         dp_size = self.vllm_config.parallel_config.data_parallel_size
-        # One int32 CPU tensor per DP rank, as upstream: callers index and all_gather into it.
-        self.balance_queue: list[torch.Tensor] = [
-            torch.zeros(1, dtype=torch.int32) for _ in range(dp_size)]
+        # One int32 CPU tensor per DP rank, as upstream (callers index and all_gather into it),
+        # each a view of one buffer so the per-step gate check is a single max(), whatever the
+        # DP size. Write counts in place (all_gather does), never rebind the list's items.
+        self._balance_counts = torch.zeros(dp_size, dtype=torch.int32)
+        self.balance_queue: list[torch.Tensor] = list(self._balance_counts.split(1))
         self.balance_gate_rule: GateRule = GateRule.CAP
         self.balance_gated_steps: int = 0
         self._balance_gate_active = False
@@ -117,7 +120,7 @@ class BalanceSchedulingMixin:
         """True when this step must admit no new request (some rank was at the threshold)."""
         if not self.balance_enabled:
             return False
-        return max(int(count.item()) for count in self.balance_queue) >= self.balance_gate_threshold
+        return int(self._balance_counts.max()) >= self.balance_gate_threshold
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         # A real pause already does at least what the gate would: never override it.
