@@ -12,7 +12,8 @@ What ``register`` does when ``VLLM_ASCEND_BALANCE_SCHEDULING=1`` (nothing at all
 * wraps ``VllmConfig.__post_init__`` so PD-disaggregated roles are refused when the config is built;
 * keeps vllm-ascend's copying module from taking effect, whichever is imported first: if it has
   not run yet its module name is bound to this module; if it has, its rebinding of vLLM's
-  ``Scheduler`` global is undone (and ``AsyncScheduler``, if it was built on the copy, rebuilt).
+  ``Scheduler`` global is undone (and ``AsyncScheduler``, if it was built on the copy, rebuilt);
+* installs the engine-core hook (``patch_balance_engine``): one gather per active MoE DP step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from vllm_ascend.core.balance_upstream import (
     genuine_vllm_scheduler,
 )
 
+from .patch_balance_engine import install_engine_hook, uninstall_engine_hook
+
 # Under "vllm." so vLLM's logging configuration (handler, level, format) applies to it.
 logger = init_logger(f"vllm.{__name__}")
 
@@ -52,6 +55,7 @@ def register() -> None:
     _keep_vllm_ascend_copy_out()
     _wrap_once(SchedulerConfig, "get_scheduler_cls", _balanced_get_scheduler_cls)
     _wrap_once(VllmConfig, "__post_init__", _checked_post_init)
+    install_engine_hook()  # the engine-core side: one gather per active MoE DP step
 
 
 def is_registered() -> bool:
@@ -60,6 +64,7 @@ def is_registered() -> bool:
 
 def unregister() -> None:
     """Undo ``register`` in this process (vLLM's own methods back, no module alias)."""
+    uninstall_engine_hook()
     for owner, name in ((SchedulerConfig, "get_scheduler_cls"), (VllmConfig, "__post_init__")):
         current = owner.__dict__[name]
         if getattr(current, _WRAPPED_MARK, False):

@@ -1,0 +1,156 @@
+"""Stand-ins for what cannot exist on a CPU soak: the model, a grammar backend, a KV transfer.
+
+Everything else is vLLM's: the scheduler, the requests, the engine-core methods.
+
+* ``FakeExecutor``: one token per scheduled request (EOS never; requests end at max_tokens);
+  reports remote-KV loads as finished after their delay; counts steps; checks the gate.
+* ``FakeGrammar`` / ``FakeGrammarBackend``: a JSON-mode request waits in WAITING_FOR_FSM until
+  its grammar future resolves (after a planned number of steps), then accepts every token.
+* ``SoakRemoteKVConnector``: a scheduler-side KV connector (kv_role kv_both) that makes requests
+  marked ``do_remote_prefill`` wait in WAITING_FOR_REMOTE_KVS for a planned number of steps.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+SAMPLED_TOKEN = 5
+
+
+class FakeGrammar:
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].fill_(-1)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
+class FakeGrammarBackend:
+    def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
+        return torch.zeros((max_num_seqs, 4), dtype=torch.int32)
+
+    def destroy(self) -> None:
+        pass
+
+
+class SoakRemoteKVConnector(KVConnectorBase_V1):
+    """Scheduler side only: remote prefill loads that the fake executor completes later."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.loading: set[str] = set()  # requests whose KV is being "received"
+        self.loaded: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or request.request_id in self.loaded:
+            return 0, False
+        # All prompt tokens but the last come from the (pretend) prefill instance.
+        return max(request.num_prompt_tokens - 1 - num_computed_tokens, 0), True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self.loading.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        self.loading.discard(request.request_id)
+        return False, None
+
+    # Worker side: never used by the scheduler.
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
+class FakeExecutor:
+    """The model executor the engine core calls: ``execute_model`` / ``execute_dummy_batch``."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.steps = 0  # model or dummy executions on this rank
+        self.dummy_steps = 0
+        self.gate_violations: list[str] = []
+        self.gated_steps = 0
+        self.ready_at: dict[str, int] = {}  # remote-KV request id -> step its KV arrives
+        self.kv_delay: dict[str, int] = {}  # planned delay, armed when the load starts
+        self.grammar_at: dict[int, list[Future]] = {}  # step -> grammar futures to resolve
+
+    def add_grammar(self, future: Future, delay: int) -> None:
+        self.grammar_at.setdefault(self.steps + delay, []).append(future)
+
+    def _tick(self) -> None:
+        self.steps += 1
+        for step in [s for s in self.grammar_at if s <= self.steps]:
+            for future in self.grammar_at.pop(step):
+                future.set_result(FakeGrammar())
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Future:
+        self._tick()
+        scheduler = self.scheduler
+        # The gate read balance_queue in this step's schedule(); nothing has changed it since.
+        if scheduler.balance_gate_closed():
+            self.gated_steps += 1
+            admitted = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+            if admitted:
+                self.gate_violations.append(
+                    f"step {self.steps}: admitted {admitted} with balance_queue "
+                    f"{[int(t.item()) for t in scheduler.balance_queue]}")
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN]
+                   for r in req_ids]
+        output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[], kv_connector_output=self._kv_output())
+        future: Future = Future()
+        future.set_result(output)
+        return future
+
+    def _kv_output(self) -> KVConnectorOutput | None:
+        connector = self.scheduler.connector
+        if connector is None:
+            return None
+        for request_id in connector.loading:
+            self.ready_at.setdefault(request_id, self.steps + self.kv_delay.get(request_id, 1))
+        done = {r for r in connector.loading if self.ready_at[r] <= self.steps}
+        connector.loading -= done
+        connector.loaded |= done
+        return KVConnectorOutput(finished_recving=done or None)
+
+    def execute_dummy_batch(self) -> None:
+        self._tick()
+        self.dummy_steps += 1

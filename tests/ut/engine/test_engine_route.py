@@ -1,0 +1,182 @@
+"""The route that puts the balance hook into vLLM's engine-core processes, end to end.
+
+The decisive test launches engine cores the way vLLM does (its ``CoreEngineProcManager``, spawn
+start method) and reads what each child process reports: a MoE DP child must construct
+``BalanceDPEngineCoreProc``, a dense DP child stock ``EngineCoreProc``. Children stop at their
+first ZMQ handshake (a deliberately unusable address), right after the class was chosen, so no
+executor, model or front-end is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from offline_vllm import make_vllm_config
+from vllm.v1.engine.core import EngineCoreProc
+
+import vllm.v1.engine.core as engine_core_module
+from vllm_ascend_balance import patch_balance_engine
+from vllm_ascend_balance import patch_balance_schedule
+
+HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
+DENSE_LOG = "is inactive for this dense (non-MoE) model"
+
+
+@pytest.fixture(autouse=True)
+def stock_engine_core() -> Iterator[None]:
+    """Each test starts and ends with vLLM's own run_engine_core (another test file may have
+    called the plugin's register() with the flag on)."""
+    global VLLM_RUN_ENGINE_CORE
+    patch_balance_engine.uninstall_engine_hook()
+    VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
+    assert VLLM_RUN_ENGINE_CORE.__module__ == "vllm.v1.engine.core"
+    yield
+    patch_balance_engine.uninstall_engine_hook()
+
+
+VLLM_RUN_ENGINE_CORE: Any = None
+
+
+@pytest.fixture
+def engine_hook(balance_on: None) -> Iterator[Any]:
+    patch_balance_engine.install_engine_hook()
+    yield patch_balance_engine
+    patch_balance_engine.uninstall_engine_hook()
+
+
+def test_hook_is_off_without_the_flag(balance_off: None) -> None:
+    patch_balance_engine.install_engine_hook()
+    assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
+    assert not patch_balance_engine.is_engine_hook_installed()
+
+
+def test_plugin_register_installs_the_hook(balance_on: None) -> None:
+    patch_balance_schedule.register()
+    try:
+        assert patch_balance_engine.is_engine_hook_installed()
+    finally:
+        patch_balance_schedule.unregister()
+        patch_balance_engine.uninstall_engine_hook()
+    assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
+
+
+def test_launch_target_pickles_by_reference_to_this_module(engine_hook: Any) -> None:
+    target = EngineCoreProc.run_engine_core  # what vLLM's launcher passes to Process(...)
+    payload = pickle.dumps(target)
+    assert b"vllm_ascend_balance.patch_balance_engine" in payload
+    assert b"vllm.v1.engine.core" not in payload
+    assert pickle.loads(payload) is patch_balance_engine.run_engine_core
+
+
+def test_install_is_idempotent_and_uninstall_restores_vllm(engine_hook: Any) -> None:
+    engine_hook.install_engine_hook()
+    assert engine_hook._upstream_run_engine_core is VLLM_RUN_ENGINE_CORE
+    engine_hook.uninstall_engine_hook()
+    assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
+    assert engine_core_module.DPEngineCoreProc.__module__ == "vllm.v1.engine.core"
+
+
+def test_a_foreign_run_engine_core_is_refused(balance_on: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    def run_engine_core(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(run_engine_core))
+    with pytest.raises(RuntimeError, match="not vLLM's"):
+        patch_balance_engine.install_engine_hook()
+
+
+def test_vllm_ascend_copy_installed_first_is_repaired(balance_on: None,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """In-process stand-in: a function from vllm-ascend's module name (the real module is
+    imported in a separate process by test_engine_import_order.py)."""
+    monkeypatch.setattr(patch_balance_engine.logger, "propagate", True)  # let caplog see it
+    namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule"}
+    exec("def run_engine_core(*args, **kwargs):\n    raise AssertionError('stale copy')",
+         namespace)
+    monkeypatch.setattr(EngineCoreProc, "run_engine_core", namespace["run_engine_core"])
+    patch_balance_engine.install_engine_hook()
+    try:
+        rebuilt = patch_balance_engine._upstream_run_engine_core
+        assert rebuilt is not VLLM_RUN_ENGINE_CORE
+        # Same source, same module: same names, variables and lines (the byte code itself may
+        # differ in peephole details between the wheel's .pyc and a fresh compile).
+        for attribute in ("co_names", "co_varnames", "co_cellvars", "co_filename",
+                          "co_firstlineno", "co_argcount", "co_kwonlyargcount"):
+            assert (getattr(rebuilt.__code__, attribute)
+                    == getattr(VLLM_RUN_ENGINE_CORE.__code__, attribute)), attribute
+        assert ({line for *_, line in rebuilt.__code__.co_lines()}
+                == {line for *_, line in VLLM_RUN_ENGINE_CORE.__code__.co_lines()})
+        assert rebuilt.__globals__ is VLLM_RUN_ENGINE_CORE.__globals__
+        assert rebuilt.__qualname__ == "EngineCoreProc.run_engine_core"
+        assert "replaced EngineCoreProc.run_engine_core with a stale copy" in caplog.text
+    finally:
+        patch_balance_engine.uninstall_engine_hook()
+
+
+# ---- real engine-core child processes, started by vLLM's launcher with spawn ----------------
+
+@contextlib.contextmanager
+def _child_output_to(path: Path) -> Iterator[None]:
+    """Children inherit fds 1 and 2 at start: point them at ``path`` meanwhile."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "wb") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def _launch(config: Any, output: Path) -> Any:
+    from vllm.v1.engine.utils import CoreEngineProcManager
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    with _child_output_to(output):
+        # One local engine of a DP-2 deployment (rank 0), exactly as vLLM's front-end starts it.
+        return CoreEngineProcManager(
+            local_engine_count=1, start_index=0, local_start_index=0, vllm_config=config,
+            local_client=True, handshake_address="unusable://stop-after-class-choice",
+            executor_class=UniProcExecutor, log_stats=False)
+
+
+def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
+        engine_hook: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Path,
+        tiny_moe_model: Path) -> None:
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    moe = make_vllm_config(tiny_moe_model, dp_size=2)
+    dense = make_vllm_config(tiny_model, dp_size=2)
+    assert moe.model_config.is_moe and not dense.model_config.is_moe
+    # Both children start before either is awaited: the two vLLM imports overlap.
+    managers = {"moe": _launch(moe, tmp_path / "moe.log"),
+                "dense": _launch(dense, tmp_path / "dense.log")}
+    logs = {}
+    for name, manager in managers.items():
+        (process,) = manager.processes
+        process.join(timeout=240)
+        assert process.exitcode is not None, f"{name} engine core did not stop"
+        logs[name] = (tmp_path / f"{name}.log").read_text()
+        # The expected stop: the handshake, after the engine-core class was chosen.
+        assert process.exitcode == 1, logs[name]
+        assert "EngineCore failed to start" in logs[name], logs[name]
+        assert "Protocol not supported" in logs[name], logs[name]
+    assert HOOK_LOG in logs["moe"], logs["moe"]
+    # Independent of that log line: the construction traceback passes through the hook class.
+    assert "vllm_ascend/core/balance_engine_core.py" in logs["moe"]
+    assert "vllm_ascend/core/balance_engine_core.py" not in logs["dense"]
+    assert DENSE_LOG not in logs["moe"]
+    assert HOOK_LOG not in logs["dense"], logs["dense"]
+    assert logs["dense"].count(DENSE_LOG) == 1, logs["dense"]

@@ -1,0 +1,119 @@
+"""Guards the engine-core seams of the installed vLLM that the balance gather relies on.
+
+If one of these fails after a vLLM upgrade, the hook may gather on some ranks and not on others
+(deadlock) or not at all: re-read ``DPEngineCoreProc.run_busy_loop`` and
+``EngineCoreProc.run_engine_core`` before changing anything. Each check is also run on an
+altered copy of the source to prove it can fail.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import vllm.v1.engine.core as engine_core_module
+import vllm.v1.engine.utils as engine_utils_module
+from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+
+from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc, engine_seam_problems
+
+CORE = inspect.getsource(engine_core_module)
+LAUNCHER = inspect.getsource(engine_utils_module)
+GATHER_CALL = "self.engines_running = self._has_global_unfinished_reqs("
+IDLE_SKIP = "if not local_unfinished_reqs and not self.engines_running:"
+
+
+def problems_with(core: str = CORE, launcher: str = LAUNCHER) -> list[str]:
+    return engine_seam_problems(core_source=core, launcher_source=launcher)
+
+
+def replaced(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"test fixture out of date: {old!r} not found once"
+    return text.replace(old, new)
+
+
+def test_installed_vllm_offers_every_engine_seam() -> None:
+    assert engine_seam_problems() == []
+
+
+def test_the_hook_extends_exactly_one_upstream_method() -> None:
+    own = {name for name in vars(BalanceDPEngineCoreProc) if not name.startswith("__")}
+    assert own == {"_has_global_unfinished_reqs"}
+    assert BalanceDPEngineCoreProc.__bases__ == (DPEngineCoreProc,)
+    assert "_has_global_unfinished_reqs" in vars(DPEngineCoreProc)
+    assert list(inspect.signature(DPEngineCoreProc._has_global_unfinished_reqs).parameters) == [
+        "self", "local_unfinished"]
+
+
+def test_run_engine_core_is_what_the_launcher_pickles() -> None:
+    assert isinstance(inspect.getattr_static(EngineCoreProc, "run_engine_core"), staticmethod)
+    assert engine_core_module.DPEngineCoreProc is DPEngineCoreProc
+
+
+# ---- each check can fail ----------------------------------------------------------------------
+
+def test_detects_the_gather_site_moved_into_a_branch() -> None:
+    core = replaced(CORE, f"            {GATHER_CALL}",
+                    f"            if executed:\n                {GATHER_CALL}")
+    assert any("not a plain statement" in p for p in problems_with(core))
+
+
+def test_detects_a_second_call_site() -> None:
+    core = replaced(CORE, "            executed = self._process_engine_step()\n",
+                    "            executed = self._process_engine_step()\n"
+                    "            self._has_global_unfinished_reqs(False)\n")
+    assert any("exactly once" in p for p in problems_with(core))
+
+
+def test_detects_a_skip_that_is_not_the_all_idle_test() -> None:
+    core = replaced(CORE, IDLE_SKIP, "if not local_unfinished_reqs:")
+    assert any("can skip" in p for p in problems_with(core))
+
+
+def test_detects_the_gather_site_gone() -> None:
+    core = replaced(CORE, GATHER_CALL, "self.engines_running = self._global_sync(")
+    assert any("exactly once" in p for p in problems_with(core))
+
+
+def test_detects_a_call_outside_the_loop() -> None:
+    core = replaced(CORE, "    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:\n",
+                    "    def other(self):\n        return self._has_global_unfinished_reqs(True)\n\n"
+                    "    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:\n")
+    assert any("also called outside" in p for p in problems_with(core))
+
+
+def test_detects_dp_class_bound_locally_in_run_engine_core() -> None:
+    core = replaced(CORE, "            if data_parallel and vllm_config.model_config.is_moe:\n",
+                    "            from vllm.v1.engine.dp import DPEngineCoreProc\n"
+                    "            if data_parallel and vllm_config.model_config.is_moe:\n")
+    assert any("binds DPEngineCoreProc locally" in p for p in problems_with(core))
+
+
+def test_detects_dp_class_no_longer_chosen_by_is_moe() -> None:
+    core = replaced(CORE, "if data_parallel and vllm_config.model_config.is_moe:",
+                    "if data_parallel:")
+    assert any("under a test on is_moe" in p for p in problems_with(core))
+
+
+def test_detects_run_engine_core_no_longer_a_staticmethod() -> None:
+    core = replaced(CORE, "    @staticmethod\n    def run_engine_core(",
+                    "    @classmethod\n    def run_engine_core(")
+    assert any("no longer a staticmethod" in p for p in problems_with(core))
+
+
+def test_detects_the_launcher_target_changed() -> None:
+    launcher = replaced(LAUNCHER, "target=EngineCoreProc.run_engine_core,",
+                        "target=run_engine_core_entry,")
+    assert any("front-end route is gone" in p for p in problems_with(launcher=launcher))
+
+
+def test_install_refuses_when_a_seam_moved(balance_on: None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend.core import balance_engine_core
+    from vllm_ascend_balance import patch_balance_engine
+
+    monkeypatch.setattr(balance_engine_core, "installed_engine_seam_problems",
+                        lambda: ("DPEngineCoreProc.run_busy_loop is gone",))
+    with pytest.raises(RuntimeError, match="no longer offers the seam"):
+        patch_balance_engine.install_engine_hook()
+    assert not patch_balance_engine.is_engine_hook_installed()
