@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""What balance scheduling adds to ``Scheduler.schedule()``, measured as ratios in one run.
+
+Why: the gate runs on every step of every DP rank; it must cost next to nothing. For each DP size
+(the length of ``balance_queue``) this times ``schedule()`` at 128 running requests (the cap,
+with a few more waiting) for vLLM's stock ``Scheduler``, ours with balance off, ours with balance
+on and the gate open, ours with the gate closed and, when the vllm-ascend wheel is installed, its
+released copy (0.18.0) with the gate closed. Variants are interleaved step by step so machine
+noise hits them alike; the median thread CPU time per step of each is reported as a ratio to
+stock. A second table times the gate's read of ``balance_queue`` alone, against one-tensor
+alternatives.
+
+    .venv/bin/python scripts/bench_overhead.py [--dp-sizes 1,8,64,256] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # offline_vllm
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+import vllm.v1.core.sched.scheduler as vllm_scheduler_module  # noqa: E402
+from offline_vllm import (  # noqa: E402
+    build_scheduler,
+    fake_model_output,
+    make_request,
+    make_vllm_config,
+    write_tiny_model,
+)
+from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
+
+from vllm_ascend.core.balance_config import BALANCE_SCHEDULING_ENV  # noqa: E402
+from vllm_ascend.core.balance_scheduler import BalanceScheduler  # noqa: E402
+from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler  # noqa: E402
+
+RELEASED_COPY = "patch/platform/patch_balance_schedule.py"
+TARGET_DP, TARGET_RATIO = 64, 1.02
+
+
+def load_released_copy() -> tuple[type | None, str]:
+    """vllm-ascend's released ``BalanceScheduler``, or None and why not.
+
+    Its package ``__init__`` files import torch_npu, so only this one file is loaded, by path, as
+    a stand-alone module (it imports nothing from vllm_ascend). Importing it rebinds vLLM's
+    ``Scheduler`` and ``EngineCoreProc.run_engine_core`` globally; both are put back at once.
+    """
+    spec = importlib.util.find_spec("vllm_ascend")  # locates the package, runs nothing
+    if spec is None or not spec.submodule_search_locations:
+        return None, "vllm-ascend is not installed"
+    version = importlib.metadata.version("vllm-ascend")
+    path = Path(list(spec.submodule_search_locations)[0]) / RELEASED_COPY
+    if not path.is_file():
+        return None, f"vllm-ascend {version} has no {RELEASED_COPY}"
+    saved_scheduler = vllm_scheduler_module.Scheduler
+    saved_run = EngineCoreProc.__dict__["run_engine_core"]
+    module_spec = importlib.util.spec_from_file_location(
+        "vllm_ascend_released_patch_balance_schedule", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # the reference column is optional: say why it is missing
+        return None, f"cannot load vllm-ascend {version}'s {RELEASED_COPY}: {exc!r}"
+    finally:
+        vllm_scheduler_module.Scheduler = saved_scheduler
+        EngineCoreProc.run_engine_core = saved_run
+    return module.BalanceScheduler, f"vllm-ascend {version}"
+
+
+class Subject:
+    """One scheduler at steady state: ``running`` decoding requests at the cap, a few waiting."""
+
+    def __init__(self, name: str, cls: type, balance: str | None, queue_value: int | None,
+                 model_dir: Path, dp_size: int, running: int, max_tokens: int) -> None:
+        self.name = name
+        config = make_vllm_config(model_dir, max_num_seqs=running,
+                                  max_num_batched_tokens=max(running * 16, 2048),
+                                  max_model_len=max_tokens + 16, dp_size=dp_size,
+                                  num_blocks=(running + 8) * ((max_tokens + 16) // 16 + 2))
+        previous = os.environ.pop(BALANCE_SCHEDULING_ENV, None)
+        if balance is not None:
+            os.environ[BALANCE_SCHEDULING_ENV] = balance
+        try:
+            self.scheduler = build_scheduler(cls, config)
+        finally:
+            os.environ.pop(BALANCE_SCHEDULING_ENV, None)
+            if previous is not None:
+                os.environ[BALANCE_SCHEDULING_ENV] = previous
+        for index in range(running + 4):
+            self.scheduler.add_request(make_request(f"{name}-{index}", 8, max_tokens))
+        for _ in range(3):  # everyone admitted and past prefill
+            self._step()
+        assert len(self.scheduler.running) == running, (name, len(self.scheduler.running))
+        if queue_value is not None:
+            # What balance_gather leaves; the last rank holds the value (max scans everything).
+            for slot in self.scheduler.balance_queue:
+                slot.fill_(0)
+            self.scheduler.balance_queue[-1].fill_(queue_value)
+        self.samples_ns: list[int] = []
+
+    def _step(self) -> int:
+        # CPU time of this thread: other processes on a shared machine do not inflate it.
+        started = time.thread_time_ns()
+        output = self.scheduler.schedule()
+        elapsed = time.thread_time_ns() - started
+        self.scheduler.update_from_output(output, fake_model_output(self.scheduler, output))
+        return elapsed
+
+    def measure(self, steps: int) -> None:
+        self.samples_ns.extend(self._step() for _ in range(steps))
+
+    def median_us(self) -> float:
+        return statistics.median(self.samples_ns) / 1000.0
+
+
+def gate_read_costs(dp_size: int, cap: int, repeats: int = 2000) -> dict[str, float]:
+    """µs per read of the gathered counts: today's per-tensor loop vs one contiguous buffer."""
+    buffer = torch.zeros(dp_size, dtype=torch.int32)
+    queue = list(buffer.split(1))  # views: what all_gather would fill, slot by slot
+    queue[-1].fill_(cap)
+    readers: dict[str, Callable[[], Any]] = {
+        "loop .item()": lambda: max(int(count.item()) for count in queue),
+        "buffer.max()": lambda: int(buffer.max()),
+        "buffer.tolist()": lambda: max(buffer.tolist()),
+    }
+    costs = {}
+    for name, read in readers.items():
+        assert read() == cap, name
+        started = time.thread_time_ns()
+        for _ in range(repeats):
+            read()
+        costs[name] = (time.thread_time_ns() - started) / repeats / 1000.0
+    return costs
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"DP sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dp-sizes", type=parse_sizes, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--running", type=int, default=128, help="running requests (= the cap)")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per variant")
+    args = parser.parse_args(argv)
+    if args.running < 1 or args.steps < 1:
+        parser.error("--running and --steps must be >= 1")
+    torch.set_num_threads(1)
+
+    stock = genuine_vllm_scheduler()
+    released, released_note = load_released_copy()
+    model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-overhead-")))
+    max_tokens = args.steps + 64
+    if max_tokens + 16 > 4096:
+        parser.error("--steps must stay under ~4000 (the tiny model's context)")
+    variants: list[tuple[str, type, str | None, int | None]] = [
+        ("stock", stock, None, None),
+        ("ours off", BalanceScheduler, "0", None),
+        ("ours on, gate open", BalanceScheduler, "1", 0),
+        ("ours on, gate closed", BalanceScheduler, "1", args.running),
+    ]
+    if released is not None:
+        variants.append(("v0.18.0 copy, gate closed", released, None, args.running))
+    print(f"schedule() median thread CPU time per step at {args.running} running (cap "
+          f"{args.running}, 4 waiting); {args.steps} steps per variant, interleaved step by step.")
+    print("reference column: "
+          + (released_note if released is not None else f"absent: {released_note}"))
+    names = [name for name, *_ in variants]
+    header = ["DP", "stock µs"] + [f"{name} ×" for name in names[1:]]
+    rows = [header]
+    reads = []
+    verdict = None
+    for dp_size in args.dp_sizes:
+        subjects = [Subject(name, cls, flag, value, model_dir, dp_size, args.running, max_tokens)
+                    for name, cls, flag, value in variants]
+        for _ in range(args.steps):  # step by step in turn: load spikes hit every variant
+            for subject in subjects:
+                subject.measure(1)
+        base = subjects[0].median_us()
+        ratios = [subject.median_us() / base for subject in subjects[1:]]
+        rows.append([str(dp_size), f"{base:.0f}"] + [f"{ratio:.3f}" for ratio in ratios])
+        if dp_size == TARGET_DP:
+            worst = max(ratios[1:3])
+            verdict = (f"target: ours with balance on <= {TARGET_RATIO}x stock at DP={TARGET_DP}: "
+                       f"{worst:.3f}x -> {'met' if worst <= TARGET_RATIO else 'NOT met'}")
+        reads.append((dp_size, gate_read_costs(dp_size, args.running)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for index, row in enumerate(rows):
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+        if index == 0:
+            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    if verdict:
+        print(verdict)
+    print("\ngate read of balance_queue alone (µs per read):")
+    read_names = list(reads[0][1])
+    print("DP".rjust(5) + "".join(name.rjust(18) for name in read_names))
+    for dp_size, costs in reads:
+        print(f"{dp_size:5d}" + "".join(f"{costs[name]:18.2f}" for name in read_names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

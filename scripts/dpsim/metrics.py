@@ -1,0 +1,103 @@
+"""Per-request timestamps and per-step counters of one run, and the figures derived from them.
+
+Figures follow ``vllm bench serve``: TTFT from send to first token, TPOT as (latency - TTFT) /
+(output tokens - 1) per request, output throughput as all output tokens over the benchmark
+duration (first send to last response). The step counters explain the figures: how many steps
+admitted new requests, and how many steps made decoding requests wait for some rank's prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpsim.cluster import RankWork
+
+# Keys every run summary has (the JSON contract of --json).
+SUMMARY_KEYS = ("output_tok_s", "tpot_mean_ms", "tpot_p99_ms", "ttft_mean_ms", "ttft_p99_ms",
+                "e2e_s", "finished")
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    step_times: list[float] = field(default_factory=list)
+    running: list[tuple[int, ...]] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+
+
+class RunRecorder:
+    def __init__(self, num_requests: int) -> None:
+        nan = float("nan")
+        self.sent_at = [nan] * num_requests
+        self.first_at = [nan] * num_requests
+        self.done_at = [nan] * num_requests
+        self.tokens = [0] * num_requests
+        self.steps = 0
+        self.admission_steps = 0
+        self.prefill_steps = 0
+        self.stalled_decode_steps = 0
+        self.busy_rank_steps = 0
+        self.running_sum = 0
+        self.step_times: list[float] = []
+        self.running: list[tuple[int, ...]] = []
+
+    def sent(self, index: int, now: float) -> None:
+        self.sent_at[index] = now
+
+    def produced(self, index: int, now: float) -> None:
+        self.tokens[index] += 1
+        if self.first_at[index] != self.first_at[index]:  # NaN: no token yet
+            self.first_at[index] = now
+
+    def done(self, index: int, now: float) -> None:
+        self.done_at[index] = now
+
+    def step(self, now: float, work: list[RankWork], running: list[int]) -> None:
+        self.steps += 1
+        prefill = any(w.prefill_tokens for w in work)
+        self.prefill_steps += prefill
+        self.admission_steps += any(w.admitted for w in work)
+        # Decoding requests that sat through someone's prefill in this lockstep step.
+        self.stalled_decode_steps += prefill and any(w.decode_requests for w in work)
+        self.running_sum += sum(running)
+        self.step_times.append(now)
+        self.running.append(tuple(running))
+
+    def result(self, dp_size: int, gated_rank_steps: int, wall_s: float) -> RunResult:
+        sent = np.array(self.sent_at)
+        first = np.array(self.first_at)
+        done = np.array(self.done_at)
+        tokens = np.array(self.tokens)
+        ok = ~np.isnan(done)
+        ttft = (first[ok] - sent[ok]) * 1000.0
+        many = ok & (tokens > 1)
+        tpot = (done[many] - first[many]) / (tokens[many] - 1) * 1000.0
+        duration = float(np.nanmax(done) - np.nanmin(sent)) if ok.any() else 0.0
+
+        def stat(values: np.ndarray, kind: str) -> float:
+            if values.size == 0:
+                return float("nan")
+            return float(values.mean() if kind == "mean" else np.percentile(values, 99))
+
+        summary = {
+            "output_tok_s": float(tokens[ok].sum() / duration) if duration > 0 else 0.0,
+            "request_s": float(ok.sum() / duration) if duration > 0 else 0.0,
+            "tpot_mean_ms": stat(tpot, "mean"), "tpot_p99_ms": stat(tpot, "p99"),
+            "ttft_mean_ms": stat(ttft, "mean"), "ttft_p99_ms": stat(ttft, "p99"),
+            "e2e_s": duration,
+            "finished": int(ok.sum()),
+            "num_requests": len(self.sent_at),
+            "steps": self.steps,
+            "admission_steps": self.admission_steps,
+            "prefill_steps": self.prefill_steps,
+            "stalled_decode_steps": self.stalled_decode_steps,
+            "gated_rank_steps": gated_rank_steps,
+            "mean_running_per_rank": self.running_sum / max(self.steps * dp_size, 1),
+            "mean_step_ms": duration / max(self.steps, 1) * 1000.0,
+            "sim_wall_s": wall_s,
+        }
+        return RunResult(summary, self.step_times, self.running, tpot.tolist(), ttft.tolist())

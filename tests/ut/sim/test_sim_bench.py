@@ -1,0 +1,38 @@
+"""bench_overhead.py runs end to end, and loading vllm-ascend's released copy leaves vLLM intact."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import bench_overhead
+import pytest
+import vllm.v1.core.sched.scheduler as vllm_scheduler_module
+from vllm.v1.engine.core import EngineCoreProc
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None,
+                    reason="the vllm-ascend wheel is not installed")
+def test_released_copy_loads_without_rebinding_vllm() -> None:
+    scheduler_before = vllm_scheduler_module.Scheduler
+    run_before = EngineCoreProc.__dict__["run_engine_core"]
+    released, note = bench_overhead.load_released_copy()
+    assert released is not None, note
+    assert "schedule" in released.__dict__ and issubclass(released, scheduler_before)
+    assert vllm_scheduler_module.Scheduler is scheduler_before
+    assert EngineCoreProc.__dict__["run_engine_core"] is run_before
+
+
+def test_tiny_benchmark_prints_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_overhead.main(["--dp-sizes", "4", "--running", "4", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ours on, gate closed ×" in out and "gate read of balance_queue alone" in out
+    header, rule, row = out.splitlines()[2:5]
+    assert header.split()[:3] == ["DP", "stock", "µs"] and set(rule) == {"-"}
+    assert row.split()[0] == "4" and all(float(cell) > 0 for cell in row.split()[1:])
+
+
+def test_bad_dp_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc_info:
+        bench_overhead.main(["--dp-sizes", "0,4"])
+    assert exc_info.value.code == 2
+    assert "DP sizes must be >= 1" in capsys.readouterr().err
