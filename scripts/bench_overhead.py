@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # offline_vllm
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+if __name__ == "__main__":  # quiet vLLM's per-object INFO lines; never when imported by tests
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 import vllm.v1.core.sched.scheduler as vllm_scheduler_module  # noqa: E402

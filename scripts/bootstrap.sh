@@ -3,7 +3,7 @@
 # this project into it the way a user would. Idempotent: a stamp records what was installed, so a
 # second run with unchanged inputs only re-installs this project (cheap) and never the 3 GB base.
 #
-#   scripts/bootstrap.sh [LINE]      LINE = v0.18.0 (default, venv .venv)
+#   scripts/bootstrap.sh [LINE]      LINE = v0.18.0 (default, venv .venv) or v0.23.0 (.venv-v0.23.0)
 #
 # Why each choice:
 #  - torch==2.13.0 is the CPU build lying on this machine's disk; a bare "torch" would pull CUDA.
@@ -19,7 +19,8 @@ cd "$root"
 
 case "$line" in
   v0.18.0) venv=".venv"; vllm_version="0.18.0"; ascend_version="0.18.0" ;;
-  *) echo "bootstrap: unknown release line '$line' (supported: v0.18.0)" >&2; exit 2 ;;
+  v0.23.0) venv=".venv-v0.23.0"; vllm_version="0.23.0"; ascend_version="0.23.0" ;;
+  *) echo "bootstrap: unknown release line '$line' (supported: v0.18.0, v0.23.0)" >&2; exit 2 ;;
 esac
 
 python_bin="${PYTHON:-python3.11}"

@@ -244,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     preset, settings, profile = resolve(parser, args)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's per-object INFO lines
     modes = [False, True] if args.compare else [args.balance == "on"]
     print(describe(settings, profile), flush=True)
     results = run_all(settings, profile, modes, args.jobs, not args.no_progress)
@@ -272,4 +271,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's per-object INFO lines
     sys.exit(main())

@@ -34,7 +34,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from vllm_ascend.core.balance_config import (
     BALANCE_SCHEDULING_ENV,
-    balance_scheduling_flag,
+    balance_scheduling_enabled,
     check_balance_scheduling_supported,
 )
 from vllm_ascend.core.balance_seam import schedule_seam_problems
@@ -70,7 +70,7 @@ class BalanceSchedulingMixin:
     _pause_state: PauseState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        enabled = balance_scheduling_flag()
+        enabled = balance_scheduling_enabled(kwargs.get("vllm_config", args[0] if args else None))
         if enabled:  # Before building anything: a class the gate cannot control is refused.
             _refuse_unsound_scheduler_class(type(self))
         super().__init__(*args, **kwargs)

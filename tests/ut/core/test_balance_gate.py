@@ -310,3 +310,10 @@ def test_pd_disaggregated_role_is_refused(balance_on: None, tiny_model: Path) ->
             kv_connector="ExampleConnector", kv_role=role))
         with pytest.raises(ValueError, match=f"PD-mixed.*{role}"):
             build_scheduler(BalanceScheduler, config)
+
+
+def test_ray_dp_backend_is_refused(balance_on: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2)
+    config.parallel_config.data_parallel_backend = "ray"
+    with pytest.raises(ValueError, match="data_parallel_backend='ray'"):
+        build_scheduler(BalanceScheduler, config)

@@ -157,6 +157,7 @@ def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
         engine_hook: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Path,
         tiny_moe_model: Path) -> None:
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the children's hook line is at INFO
     moe = make_vllm_config(tiny_moe_model, dp_size=2)
     dense = make_vllm_config(tiny_model, dp_size=2)
     assert moe.model_config.is_moe and not dense.model_config.is_moe

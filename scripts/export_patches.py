@@ -1,0 +1,516 @@
+#!/usr/bin/env python3
+"""Exports this repository's fork-style files as a ``git format-patch`` series against vllm-ascend.
+
+Why: vllm-ascend maintainers take the change as a PR and Ascend CI applies it to a release
+checkout, so the series in ``patches/`` must always equal what the working tree holds. The manifest
+(``patches/vllm-ascend-v0.18.0.toml``) says which repository file goes to which vllm-ascend path and
+in which commit; this script builds a throw-away git repository holding the pristine vllm-ascend
+files the series touches, commits the mapped files on top, and runs ``git format-patch``.
+
+Pristine sources come from PyPI artefacts only (CI has no GitHub access): the installed
+vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel
+fetched with ``pip download``. The wheel holds ``vllm_ascend/`` but no ``tests/``; the series only
+*adds* files under ``tests/``, and ``--checkout`` verifies ``git am`` against a real tag checkout.
+
+    scripts/export_patches.py                    regenerate patches/<series>/
+    scripts/export_patches.py --check            exit 1 if patches/ is stale or does not apply
+    scripts/export_patches.py --checkout DIR     also ``git am`` the series onto tag v0.18.0 of DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fnmatch
+import hashlib
+import importlib.metadata as metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MANIFEST = REPO_ROOT / "patches" / "vllm-ascend-v0.18.0.toml"
+
+
+class ExportError(RuntimeError):
+    """A problem the user must fix (manifest, sources, stale series); printed without a trace."""
+
+
+# ------------------------------------------------------------------------------------ manifest
+@dataclass(frozen=True)
+class FileRule:
+    source_glob: str
+    target: str | None  # None: same path; "dir/": that directory + the file name; else a path
+
+    def target_for(self, source: str) -> str:
+        if self.target is None:
+            return source
+        if self.target.endswith("/"):
+            return self.target + Path(source).name
+        return self.target
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    find: str
+    replace: str
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str
+    find: str
+    replace: str
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    slug: str
+    subject: str
+    message: str
+    files: tuple[FileRule, ...]
+    rewrites: tuple[Rewrite, ...] = ()
+    edits: tuple[Edit, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    distribution: str
+    version: str
+    tag: str
+    output: str
+    author: str
+    date: str
+    scope: tuple[str, ...]
+    exclude: tuple[str, ...]
+    patches: tuple[PatchSpec, ...]
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+
+def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
+    data = tomllib.loads(path.read_text())
+    patches = []
+    for entry in data["patch"]:
+        patches.append(PatchSpec(
+            slug=entry["slug"],
+            subject=entry["subject"],
+            message=entry["message"]["text"].strip(),
+            files=tuple(FileRule(f["from"], f.get("to")) for f in entry.get("files", [])),
+            rewrites=tuple(Rewrite(r["find"], r["replace"]) for r in entry.get("rewrite", [])),
+            edits=tuple(Edit(e["path"], e["find"], e["replace"]) for e in entry.get("edit", [])),
+        ))
+    return Manifest(
+        path=path, distribution=data["base"]["distribution"], version=data["base"]["version"],
+        tag=data["base"]["tag"], output=data["base"]["output"], author=data["commit"]["author"],
+        date=data["commit"]["date"], scope=tuple(data["classify"]["scope"]),
+        exclude=tuple(data["classify"]["exclude"]), patches=tuple(patches))
+
+
+def _matches(path: str, pattern: str) -> bool:
+    # fnmatch's "*" crosses "/", so "a/**/*.py" would miss "a/x.py": accept both spellings.
+    return fnmatch.fnmatchcase(path, pattern) or (
+        "/**/" in pattern and fnmatch.fnmatchcase(path, pattern.replace("/**/", "/")))
+
+
+def _tracked_files(root: Path) -> list[str]:
+    """Every file under root, repository-relative, skipping caches and virtual environments."""
+    skip = {".git", "__pycache__", ".pytest_cache", "build"}
+    found = []
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if path.is_file() and not (set(rel.parts) & skip) and not rel.parts[0].startswith(".venv"):
+            found.append(rel.as_posix())
+    return sorted(found)
+
+
+@dataclass
+class ResolvedPatch:
+    spec: PatchSpec
+    files: dict[str, bytes] = field(default_factory=dict)  # vllm-ascend path -> content
+    sources: dict[str, str] = field(default_factory=dict)  # vllm-ascend path -> repo path
+
+
+def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
+    """Map the repository's files onto the patches; refuse unclassified or doubly-mapped files."""
+    files = _tracked_files(root)
+    resolved = [ResolvedPatch(spec) for spec in manifest.patches]
+    owner: dict[str, str] = {}
+    targets: dict[str, str] = {}
+    for patch in resolved:
+        for rule in patch.spec.files:
+            hits = [f for f in files if _matches(f, rule.source_glob)
+                    and not any(_matches(f, x) for x in manifest.exclude)]
+            for source in hits:
+                if source in owner:
+                    raise ExportError(f"{source} is matched by two rules ({owner[source]!r} and "
+                                      f"{rule.source_glob!r}) in {manifest.path.name}")
+                target = rule.target_for(source)
+                if target in targets:
+                    raise ExportError(f"{source} and {targets[target]} both map to {target}")
+                owner[source], targets[target] = rule.source_glob, source
+                text = (root / source).read_bytes()
+                for rewrite in patch.spec.rewrites:
+                    text = text.replace(rewrite.find.encode(), rewrite.replace.encode())
+                patch.files[target] = text
+                patch.sources[target] = source
+    unclassified = [f for f in files if any(_matches(f, s) for s in manifest.scope)
+                    and f not in owner and not any(_matches(f, x) for x in manifest.exclude)]
+    if unclassified:
+        raise ExportError(
+            "files in the manifest's scope that no patch rule exports and `exclude` does not "
+            f"list (add each to {manifest.path.name}):\n  " + "\n  ".join(unclassified))
+    empty = [p.spec.slug for p in resolved if not p.files and not p.spec.edits]
+    if empty:
+        raise ExportError(f"patches with no files: {', '.join(empty)}")
+    return resolved
+
+
+# ------------------------------------------------------------------------- pristine vllm-ascend
+class PristineSource:
+    """Reads files of the released vllm-ascend, from its installed copy or its wheel."""
+
+    def __init__(self, manifest: Manifest, wheel: Path | None = None,
+                 cache_dir: Path | None = None) -> None:
+        self._manifest = manifest
+        self._wheel = wheel
+        self._cache_dir = cache_dir or Path(tempfile.gettempdir()) / "vllm-ascend-balance-wheels"
+        self._installed = None if wheel else self._installed_record()
+        self.origin = str(wheel) if wheel else "installed distribution (RECORD-verified)"
+
+    def _installed_record(self) -> dict[str, tuple[Path, str]] | None:
+        try:
+            dist = metadata.distribution(self._manifest.distribution)
+        except metadata.PackageNotFoundError:
+            return None
+        if dist.version != self._manifest.version:
+            return None
+        record = {}
+        for entry in dist.files or []:
+            if entry.hash is not None and entry.hash.mode == "sha256":
+                record[str(entry)] = (Path(dist.locate_file(entry)), entry.hash.value)
+        return record
+
+    def read(self, path: str) -> bytes | None:
+        """The pristine content of ``path``, or None when the release has no such file."""
+        if self._installed is not None:
+            if path not in self._installed:
+                if path.startswith("vllm_ascend/"):
+                    return None
+            else:
+                location, digest = self._installed[path]
+                content = location.read_bytes() if location.exists() else b""
+                actual = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=")
+                if actual.decode() == digest:
+                    return content
+                # Modified (e.g. patched in place): fall back to the wheel for every file.
+                self._installed = None
+        if not path.startswith("vllm_ascend/"):
+            # The wheel has no tests/; the series may only add files there (see module doc).
+            return None
+        with zipfile.ZipFile(self._wheel_path()) as wheel:
+            try:
+                return wheel.read(path)
+            except KeyError:
+                return None
+
+    def _wheel_path(self) -> Path:
+        if self._wheel is None:
+            self._wheel = download_wheel(self._manifest.requirement, self._cache_dir)
+            self.origin = str(self._wheel)
+        return self._wheel
+
+
+def download_wheel(requirement: str, dest: Path) -> Path:
+    """``pip download`` the release wheel (no dependencies) into dest; reused when present."""
+    name, version = requirement.split("==")
+    stem = f"{name.replace('-', '_')}-{version}-"
+    cached = sorted(dest.glob(f"{stem}*.whl"))
+    if cached:
+        return cached[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    cached = sorted(dest.glob(f"{stem}*.whl"))
+    if result.returncode != 0 or not cached:
+        raise ExportError(f"could not download {requirement} with pip:\n{result.stderr.strip()}")
+    return cached[0]
+
+
+# ------------------------------------------------------------------------------ git machinery
+def _git_env(manifest: Manifest) -> dict[str, str]:
+    name, _, email = manifest.author.partition(" <")
+    env = dict(os.environ)
+    # Output must not depend on whoever runs this: no user/system git config, fixed identity/date.
+    env.update({
+        "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email.rstrip(">"),
+        "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email.rstrip(">"),
+        "GIT_AUTHOR_DATE": manifest.date, "GIT_COMMITTER_DATE": manifest.date,
+        "LC_ALL": "C", "TZ": "UTC",
+    })
+    return env
+
+
+def git(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+    result = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ExportError(f"git {' '.join(args)} failed in {cwd}:\n"
+                          f"{(result.stdout + result.stderr).strip()}")
+    return result.stdout
+
+
+def _touched_paths(patches: list[ResolvedPatch]) -> list[str]:
+    paths = {p for patch in patches for p in patch.files}
+    paths |= {edit.path for patch in patches for edit in patch.spec.edits}
+    return sorted(paths)
+
+
+def build_base(manifest: Manifest, patches: list[ResolvedPatch], source: PristineSource,
+               workdir: Path) -> dict[str, bytes | None]:
+    """A git repository at workdir holding the pristine version of every path the series touches."""
+    env = _git_env(manifest)
+    git(["init", "-q", str(workdir)], cwd=workdir.parent, env=env)
+    pristine = {path: source.read(path) for path in _touched_paths(patches)}
+    for path, content in pristine.items():
+        if content is not None:
+            (workdir / path).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / path).write_bytes(content)
+    git(["add", "-A"], cwd=workdir, env=env)
+    git(["commit", "-q", "--allow-empty", "-m", f"{manifest.distribution} {manifest.tag}"],
+        cwd=workdir, env=env)
+    git(["tag", "pristine"], cwd=workdir, env=env)
+    return pristine
+
+
+def commit_message(spec: PatchSpec) -> str:
+    return f"{spec.subject}\n\n{spec.message}\n"
+
+
+def generate(manifest: Manifest, patches: list[ResolvedPatch], source: PristineSource,
+             workdir: Path) -> dict[str, bytes]:
+    """The series as {file name: content}, built in workdir (which must not exist yet)."""
+    env = _git_env(manifest)
+    workdir.mkdir(parents=True)
+    repo = workdir / "repo"
+    repo.mkdir()
+    pristine = build_base(manifest, patches, source, repo)
+    for patch in patches:
+        for path, content in patch.files.items():
+            (repo / path).parent.mkdir(parents=True, exist_ok=True)
+            (repo / path).write_bytes(content)
+        for edit in patch.spec.edits:
+            _apply_edit(repo, edit, pristine.get(edit.path) is not None)
+        git(["add", "-A"], cwd=repo, env=env)
+        message_file = workdir / f"{patch.spec.slug}.msg"
+        message_file.write_text(commit_message(patch.spec))
+        git(["commit", "-q", "-F", str(message_file)], cwd=repo, env=env)
+    out = workdir / "series"
+    git(["format-patch", "-q", "--zero-commit", "--no-signature", "--full-index", "--no-renames",
+         "-o", str(out), "pristine"], cwd=repo, env=env)
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def _apply_edit(repo: Path, edit: Edit, exists: bool) -> None:
+    target = repo / edit.path
+    if not exists:
+        raise ExportError(f"edit target {edit.path} is not in the pristine "
+                          "vllm-ascend sources")
+    text = target.read_text()
+    count = text.count(edit.find)
+    if count != 1:
+        raise ExportError(
+            f"the anchor of the edit to {edit.path} occurs {count} times in the pristine file "
+            f"(expected exactly once); upstream moved it, update the manifest:\n{edit.find}")
+    target.write_text(text.replace(edit.find, edit.replace))
+
+
+def am(series: list[Path], repo: Path, env: dict[str, str]) -> None:
+    """``git am`` the series; on failure, abort and name the patch that did not apply."""
+    # --keep-non-patch: keep vllm-ascend's "[Scheduler][Feature]" subject tags, drop "[PATCH n/m]".
+    result = subprocess.run(["git", "am", "-q", "--keep-non-patch", *map(str, series)],
+                            cwd=repo, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        subprocess.run(["git", "am", "--abort"], cwd=repo, env=env, capture_output=True)
+        raise ExportError(f"git am failed in {repo}:\n{(result.stdout + result.stderr).strip()}")
+
+
+# ---------------------------------------------------------------------------------- commands
+def series_dir(manifest: Manifest, root: Path) -> Path:
+    return root / manifest.output
+
+
+def export(manifest: Manifest, root: Path, source: PristineSource) -> list[str]:
+    """Regenerate the series in place; returns the file names written."""
+    patches = resolve(manifest, root)
+    with tempfile.TemporaryDirectory() as tmp:
+        series = generate(manifest, patches, source, Path(tmp) / "export")
+    out = series_dir(manifest, root)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name, content in series.items():
+        (out / name).write_bytes(content)
+    return sorted(series)
+
+
+def check(manifest: Manifest, root: Path, source: PristineSource) -> list[str]:
+    """Problems with the committed series (empty when it is current and applies)."""
+    problems: list[str] = []
+    patches = resolve(manifest, root)
+    committed_dir = series_dir(manifest, root)
+    committed = {p.name: p.read_bytes() for p in sorted(committed_dir.glob("*.patch"))}
+    with tempfile.TemporaryDirectory() as tmp:
+        expected = generate(manifest, patches, source, Path(tmp) / "export")
+        for name in sorted(set(expected) | set(committed)):
+            if name not in committed:
+                problems.append(f"missing from {manifest.output}: {name}")
+            elif name not in expected:
+                problems.append(f"not produced by the manifest any more: {manifest.output}/{name}")
+            elif committed[name] != expected[name]:
+                problems.append(f"stale: {manifest.output}/{name}")
+        if committed:
+            repo = Path(tmp) / "apply"
+            repo.mkdir()
+            env = _git_env(manifest)
+            build_base(manifest, patches, source, repo)
+            try:
+                am([committed_dir / name for name in sorted(committed)], repo, env)
+            except ExportError as error:
+                problems.append(f"the committed series does not apply to pristine "
+                                f"{manifest.requirement}: {error}")
+            else:
+                problems += _compare_tree(repo, patches)
+    return problems
+
+
+def _compare_tree(repo: Path, patches: list[ResolvedPatch]) -> list[str]:
+    problems = []
+    for patch in patches:
+        for path, content in patch.files.items():
+            applied = repo / path
+            if not applied.exists():
+                problems.append(f"after git am, {path} is missing ({patch.sources[path]} is new)")
+            elif applied.read_bytes() != content:
+                problems.append(f"after git am, {path} differs from {patch.sources[path]}")
+    return problems
+
+
+def verify_checkout(manifest: Manifest, root: Path, checkout: Path, workdir: Path) -> Path:
+    """Clone checkout at the manifest's tag into workdir and ``git am`` the committed series."""
+    env = _git_env(manifest)
+    clone = workdir / f"vllm-ascend-{manifest.tag}"
+    git(["clone", "-q", "--shared", "--no-checkout", str(checkout), str(clone)], cwd=workdir,
+        env=env)
+    git(["checkout", "-q", "--detach", manifest.tag], cwd=clone, env=env)
+    series = sorted(series_dir(manifest, root).glob("*.patch"))
+    if not series:
+        raise ExportError(f"no patches in {manifest.output}")
+    am(series, clone, env)
+    problems = _compare_tree(clone, resolve(manifest, root))
+    if problems:
+        raise ExportError("\n".join(problems))
+    return clone
+
+
+# Loaded (as sitecustomize) by every Python process of a --run-tests session, subprocesses too.
+# vllm-ascend's package __init__ of vllm_ascend/patch/platform imports torch_npu, which cannot
+# exist on a CPU machine: the packages are registered without running it, and the patched
+# checkout's vllm_ascend/core and vllm_ascend/patch/platform come first on their search paths.
+_CPU_SHIM = """\
+import sys, types
+import vllm_ascend.core
+_root = {root!r}
+vllm_ascend.core.__path__.insert(0, _root + "/vllm_ascend/core")
+for _name in ("vllm_ascend.patch", "vllm_ascend.patch.platform"):
+    _module = types.ModuleType(_name)
+    _module.__path__ = [_root + "/" + _name.replace(".", "/")]
+    sys.modules[_name] = _module
+"""
+
+
+def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: Path,
+                          pytest_args: list[str]) -> int:
+    """Run the unit tests the series adds, inside the patched clone, on this CPU environment."""
+    tests = sorted(path for patch in resolve(manifest, root) for path in patch.files
+                   if path.startswith("tests/ut/") and Path(path).name.startswith("test_"))
+    shim = workdir / "cpu-shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(_CPU_SHIM.format(root=str(clone)))
+    env = dict(os.environ, PYTHONPATH=str(shim))
+    # --confcutdir: vllm-ascend's tests/ut/conftest.py needs torch_npu; the series' own
+    # tests/ut/core/conftest.py provides everything its tests use.
+    conf_dirs = sorted({str(clone / Path(t).parent) for t in tests})
+    if len(conf_dirs) != 1:
+        raise ExportError(f"--run-tests expects the series' unit tests in one directory: {conf_dirs}")
+    cmd = [str(Path(sys.executable).with_name("pytest")), "-p", "no:cacheprovider",
+           "--confcutdir", conf_dirs[0], "--rootdir", str(clone), *tests, *pytest_args]
+    print("running:", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=clone, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=REPO_ROOT,
+                        help="repository whose files are exported (default: this one)")
+    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the committed series is stale or does not apply")
+    parser.add_argument("--wheel", type=Path,
+                        help="read pristine sources from this wheel instead of the installed copy")
+    parser.add_argument("--checkout", type=Path,
+                        help="a vllm-ascend git repository: git am the series onto its tag")
+    parser.add_argument("--keep", type=Path,
+                        help="with --checkout: leave the patched clone in this new directory")
+    parser.add_argument("--run-tests", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS",
+                        help="with --checkout: then run the unit tests the series adds, in the "
+                             "patched clone, with this Python environment (CPU)")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        manifest = load_manifest(args.manifest)
+        source = PristineSource(manifest, wheel=args.wheel)
+        if args.check:
+            problems = check(manifest, root, source)
+            if problems:
+                print("export_patches --check FAILED (regenerate with "
+                      "`python scripts/export_patches.py`):\n  " + "\n  ".join(problems),
+                      file=sys.stderr)
+                return 1
+            print(f"{manifest.output} is current and applies to pristine "
+                  f"{manifest.requirement} ({source.origin})")
+        elif not args.checkout:
+            written = export(manifest, root, source)
+            print(f"wrote {len(written)} patches to {manifest.output} "
+                  f"(pristine {manifest.requirement} from {source.origin}):")
+            for name in written:
+                print(f"  {name}")
+        if args.checkout:
+            with tempfile.TemporaryDirectory() as tmp:
+                workdir = args.keep or Path(tmp)
+                workdir.mkdir(parents=True, exist_ok=True)
+                clone = verify_checkout(manifest, root, args.checkout, workdir)
+                print(f"git am of {manifest.output} onto {manifest.tag} of {args.checkout} "
+                      f"succeeded" + (f": {clone}" if args.keep else ""), flush=True)
+                if args.run_tests is not None:
+                    return run_series_unit_tests(manifest, root, clone, workdir, args.run_tests)
+        elif args.run_tests is not None:
+            parser.error("--run-tests needs --checkout")
+    except ExportError as error:
+        print(f"export_patches: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

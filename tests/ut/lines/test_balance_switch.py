@@ -1,0 +1,177 @@
+"""The two balance switches, on every release line: ``additional_config`` wins, the env decides
+only when the config says nothing, bad values are errors, and the log names the deciding switch.
+
+vllm-ascend 0.18 reads only ``VLLM_ASCEND_BALANCE_SCHEDULING``; 0.23 prefers
+``additional_config={"enable_balance_scheduling": true}`` and deprecates the env flag. The same
+source accepts both on both lines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from offline_vllm import build_scheduler, make_request, make_vllm_config, step
+from pytest_mock import MockerFixture
+from vllm.config import KVTransferConfig
+
+from vllm_ascend.core import balance_config
+from vllm_ascend.core.balance_config import (
+    BALANCE_SCHEDULING_CONFIG_KEY,
+    BALANCE_SCHEDULING_ENV,
+    balance_scheduling_enabled,
+    check_balance_scheduling_supported,
+    config_balance_switch,
+)
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
+
+CAP = 2
+
+
+def with_switch(config: Any, value: Any) -> Any:
+    config.additional_config = {BALANCE_SCHEDULING_CONFIG_KEY: value}
+    return config
+
+
+@pytest.fixture
+def config(tiny_model: Path) -> Any:
+    return make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2)
+
+
+@pytest.fixture
+def env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BALANCE_SCHEDULING_ENV, raising=False)
+
+
+# ---- which switch decides -------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, config_value, expected", [
+    (None, True, True),
+    (None, False, False),
+    ("0", True, True),    # the config wins over the env...
+    ("1", False, False),  # ...in both directions
+    ("1", None, True),    # the env decides only when the config says nothing
+    ("0", None, False),
+    (None, None, False),  # neither: off
+])
+def test_config_wins_and_env_decides_only_when_config_is_silent(
+        monkeypatch: pytest.MonkeyPatch, config: Any, env: str | None, config_value: bool | None,
+        expected: bool) -> None:
+    if env is None:
+        monkeypatch.delenv(BALANCE_SCHEDULING_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BALANCE_SCHEDULING_ENV, env)
+    if config_value is not None:
+        with_switch(config, config_value)
+    assert balance_scheduling_enabled(config) is expected
+
+
+def test_no_config_leaves_only_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    assert balance_scheduling_enabled(None) is True
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "0")
+    assert balance_scheduling_enabled(None) is False
+
+
+def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                  config: Any) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    config.additional_config = {"enable_flashcomm1": False}
+    assert config_balance_switch(config) is None
+    assert balance_scheduling_enabled(config) is True
+
+
+@pytest.mark.parametrize("value", ["true", "false", 1, 0, None, "1"])
+def test_non_boolean_config_value_is_a_clear_error(env_unset: None, config: Any,
+                                                   value: Any) -> None:
+    # vllm-ascend reads bool(value): the string "false" would silently turn it on there.
+    with_switch(config, value)
+    with pytest.raises(ValueError, match=r"enable_balance_scheduling.*true and false"):
+        balance_scheduling_enabled(config)
+
+
+def test_bad_env_value_is_an_error_even_when_the_config_decides(
+        monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "yes")
+    with pytest.raises(ValueError, match=BALANCE_SCHEDULING_ENV):
+        balance_scheduling_enabled(with_switch(config, True))
+
+
+# ---- what the log says ------------------------------------------------------------------------
+
+def logged(spy: Any) -> str:
+    return "\n".join(call.args[0] % call.args[1:] for call in spy.call_args_list)
+
+
+def test_log_names_the_config_when_it_decides(env_unset: None, config: Any,
+                                              mocker: MockerFixture) -> None:
+    info = mocker.spy(balance_config.logger, "info_once")
+    balance_scheduling_enabled(with_switch(config, True))
+    assert "on: set by additional_config['enable_balance_scheduling']=True" in logged(info)
+
+
+def test_log_names_the_env_and_its_deprecation_when_it_decides(
+        monkeypatch: pytest.MonkeyPatch, config: Any, mocker: MockerFixture) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    info = mocker.spy(balance_config.logger, "info_once")
+    balance_scheduling_enabled(config)
+    text = logged(info)
+    assert f"on: set by {BALANCE_SCHEDULING_ENV}=1" in text and "deprecates" in text
+
+
+def test_conflict_warns_that_the_env_is_ignored(monkeypatch: pytest.MonkeyPatch, config: Any,
+                                                mocker: MockerFixture) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    warning = mocker.spy(balance_config.logger, "warning_once")
+    assert balance_scheduling_enabled(with_switch(config, False)) is False
+    assert f"{BALANCE_SCHEDULING_ENV}=1 is ignored" in logged(warning)
+
+
+def test_nothing_is_logged_when_no_switch_is_set(env_unset: None, config: Any,
+                                                 mocker: MockerFixture) -> None:
+    info = mocker.spy(balance_config.logger, "info_once")
+    warning = mocker.spy(balance_config.logger, "warning_once")
+    assert balance_scheduling_enabled(config) is False
+    assert info.call_count == warning.call_count == 0
+
+
+# ---- the switch reaches a real scheduler ------------------------------------------------------
+
+def test_config_switch_alone_turns_the_gate_on(env_unset: None, config: Any) -> None:
+    scheduler = build_scheduler(BalanceScheduler, with_switch(config, True))
+    assert scheduler.balance_enabled
+    for index in range(3):
+        scheduler.add_request(make_request(f"r{index}", max_tokens=20))
+    for slot, count in zip(scheduler.balance_queue, [0, CAP]):  # the other rank is at its cap
+        slot.fill_(count)
+    output, _ = step(scheduler)
+    assert output.scheduled_new_reqs == []
+    assert scheduler.balance_gated_steps == 1
+
+
+def test_config_switch_off_overrides_the_env_in_the_scheduler(
+        monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    scheduler = build_scheduler(BalanceScheduler, with_switch(config, False))
+    assert not scheduler.balance_enabled
+    for slot, count in zip(scheduler.balance_queue, [0, CAP]):
+        slot.fill_(count)
+    scheduler.add_request(make_request("r0"))
+    assert [r.req_id for r in step(scheduler)[0].scheduled_new_reqs] == ["r0"]
+
+
+def test_positional_construction_reads_the_config_switch(env_unset: None, config: Any) -> None:
+    keyword_built = build_scheduler(BalanceScheduler, with_switch(config, True))
+    positional = BalanceScheduler(config, keyword_built.kv_cache_config,
+                                  keyword_built.structured_output_manager, 16)
+    assert positional.balance_enabled
+
+
+def test_pd_refusal_names_both_switches(env_unset: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_producer"))
+    with pytest.raises(ValueError, match=r"supports only PD-mixed.*kv_producer") as error:
+        check_balance_scheduling_supported(config)
+    assert BALANCE_SCHEDULING_ENV in str(error.value)
+    assert BALANCE_SCHEDULING_CONFIG_KEY in str(error.value)
