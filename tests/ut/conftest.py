@@ -24,6 +24,8 @@ import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))  # offline_vllm: tiny model, configs, requests
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # balance_fixtures, whatever import mode
+from balance_fixtures import balance_off, balance_on, tiny_model, tiny_moe_model  # noqa: E402,F401
 # Where each working-tree source directory is installed (see setup.py's package_dir).
 INSTALLED_PACKAGES = {
     "vllm_ascend/core": "vllm_ascend.core",
@@ -48,27 +50,3 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if stale:
         pytest.exit("installed project is not the working tree (run scripts/test.sh, which "
                     "reinstalls it):\n  " + "\n  ".join(stale), returncode=3)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from offline_vllm import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from offline_vllm import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), moe=True)
-
-
-@pytest.fixture
-def balance_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")
-
-
-@pytest.fixture
-def balance_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "0")

@@ -1,5 +1,6 @@
-"""Run as a script by test_activation.py: imports vllm-ascend's real copying balance module and
-ours in a given order, then reports which scheduler classes vLLM's config resolves.
+"""Run as a script by test_activation.py and test_engine_import_order.py: imports vllm-ascend's
+real copying balance module and ours in a given order, then reports which scheduler classes
+vLLM's config resolves and which ``run_engine_core`` the engine launcher would use.
 
 A separate process because the copying module rebinds vLLM globals irreversibly. Its package
 ``vllm_ascend.patch.platform.__init__`` imports NPU-only modules (torch_npu), so only that package
@@ -34,10 +35,15 @@ def main(order: str, model_dir: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
     from offline_vllm import make_vllm_config
 
-    from vllm_ascend_balance import patch_balance_schedule
+    from vllm.v1.engine.core import EngineCoreProc
 
+    from vllm_ascend_balance import patch_balance_engine, patch_balance_schedule
+
+    vllm_launch = EngineCoreProc.__dict__["run_engine_core"].__func__
+    copy_bound = None
     if order == "theirs-first":
         import_vllm_ascend_copy()
+        copy_bound = EngineCoreProc.__dict__["run_engine_core"].__module__
         # vLLM imports this lazily; here it is first imported while the global is rebound.
         import vllm.v1.core.sched.async_scheduler  # noqa: F401
         patch_balance_schedule.register()
@@ -48,7 +54,18 @@ def main(order: str, model_dir: str) -> None:
     import vllm.v1.core.sched.scheduler as scheduler_module
 
     copy_module = sys.modules[COPYING_MODULE]
-    report = {"copy_module_is_ours": copy_module is patch_balance_schedule}
+    upstream = patch_balance_engine._upstream_run_engine_core
+    report = {
+        "copy_module_is_ours": copy_module is patch_balance_schedule,
+        "copy_bound_before_register": copy_bound,
+        "launch_is_ours": EngineCoreProc.run_engine_core is patch_balance_engine.run_engine_core,
+        "upstream_module": upstream.__module__,
+        # Rebuilt or not, the launch must end in vLLM's own code (same file, line, names).
+        "upstream_is_vllm_code": (
+            upstream.__code__.co_names == vllm_launch.__code__.co_names
+            and upstream.__code__.co_firstlineno == vllm_launch.__code__.co_firstlineno
+            and upstream.__code__.co_filename == vllm_launch.__code__.co_filename),
+    }
     for async_scheduling in (False, True):
         config = make_vllm_config(Path(model_dir), dp_size=2, async_scheduling=async_scheduling)
         resolved = config.scheduler_config.get_scheduler_cls()

@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROBE = Path(__file__).with_name("engine_import_order_probe.py")
+PROBE = Path(__file__).parents[1] / "core" / "import_order_probe.py"
 
 
-def test_engine_hook_wins_in_both_import_orders() -> None:
+def test_engine_hook_wins_in_both_import_orders(tiny_model: Path) -> None:
     # Both probes start before either is awaited: their vLLM imports overlap.
-    probes = {order: subprocess.Popen([sys.executable, str(PROBE), order],
+    probes = {order: subprocess.Popen([sys.executable, str(PROBE), order, str(tiny_model)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for order in ("theirs-first", "ours-first")}
     reports = {}
