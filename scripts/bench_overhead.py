@@ -38,6 +38,7 @@ from offline_vllm import (  # noqa: E402
     fake_model_output,
     make_request,
     make_vllm_config,
+    torch_npu_stubbed_for_import,
     write_tiny_model,
 )
 from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
@@ -71,7 +72,8 @@ def load_released_copy() -> tuple[type | None, str]:
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        with torch_npu_stubbed_for_import():  # vllm-ascend 0.23's copy imports it at the top
+            module_spec.loader.exec_module(module)
     except Exception as exc:  # the reference column is optional: say why it is missing
         return None, f"cannot load vllm-ascend {version}'s {RELEASED_COPY}: {exc!r}"
     finally:
@@ -179,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         ("ours on, gate closed", BalanceScheduler, "1", args.running),
     ]
     if released is not None:
-        variants.append(("v0.18.0 copy, gate closed", released, None, args.running))
+        # The flag on: vllm-ascend 0.23's copy builds its balance_queue only when its switch is.
+        version = importlib.metadata.version("vllm-ascend")
+        variants.append((f"v{version} copy, gate closed", released, "1", args.running))
     print(f"schedule() median thread CPU time per step at {args.running} running (cap "
           f"{args.running}, 4 waiting); {args.steps} steps per variant, interleaved step by step.")
     print("reference column: "

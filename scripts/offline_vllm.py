@@ -9,8 +9,13 @@ vLLM's own scheduler tests do.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import sys
+import types
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +139,24 @@ def make_json_request(vllm_config: VllmConfig, request_id: str, num_prompt_token
                                    vllm_config.structured_outputs_config,
                                    cached_tokenizer_from_config(vllm_config.model_config))
     return request
+
+
+@contextlib.contextmanager
+def torch_npu_stubbed_for_import() -> Iterator[None]:
+    """An empty ``torch_npu`` module while vllm-ascend code that merely imports it is imported.
+
+    vllm-ascend 0.23's balance module imports ``vllm_ascend.utils``, which imports torch_npu at
+    the top and uses none of it at import time. The stub is removed afterwards: a lasting one
+    would mislead libraries that probe for torch_npu. Does nothing where torch_npu exists.
+    """
+    stubbed = importlib.util.find_spec("torch_npu") is None
+    if stubbed:
+        sys.modules["torch_npu"] = types.ModuleType("torch_npu")
+    try:
+        yield
+    finally:
+        if stubbed:
+            sys.modules.pop("torch_npu", None)
 
 
 def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) -> ModelRunnerOutput:

@@ -94,6 +94,9 @@ def make_engine_core(config: Any, scheduler: Any, executor: Any, dp_group: Any,
     core.last_counts = (0, 0)
     core.eep_scaling_state = None
     core._idle_state_callbacks = []
+    # vLLM 0.23's two-phase pause protocol state (unused attributes on 0.18).
+    core.pending_pause = False
+    core.ignore_start_dp_wave = False
     return core
 
 

@@ -27,7 +27,10 @@ def import_vllm_ascend_copy() -> None:
     stub = types.ModuleType("vllm_ascend.patch.platform")
     stub.__path__ = [str(platform_dir)]
     sys.modules["vllm_ascend.patch.platform"] = stub
-    importlib.import_module(COPYING_MODULE)
+    from offline_vllm import torch_npu_stubbed_for_import
+
+    with torch_npu_stubbed_for_import():  # vllm-ascend 0.23's copy imports it, uses none of it
+        importlib.import_module(COPYING_MODULE)
 
 
 def main(order: str, model_dir: str) -> None:
