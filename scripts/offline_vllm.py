@@ -70,7 +70,8 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 4, max_num_batched_
                      max_model_len: int = 1024, dp_size: int = 1, async_scheduling: bool = False,
                      enable_prefix_caching: bool = False, num_blocks: int = 1000,
                      kv_transfer_config: KVTransferConfig | None = None,
-                     scheduler_cls: str | type | None = None) -> VllmConfig:
+                     scheduler_cls: str | type | None = None,
+                     additional_config: dict[str, Any] | None = None) -> VllmConfig:
     model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32",
                                max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
@@ -84,7 +85,9 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 4, max_num_batched_
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                       cache_config=cache_config, parallel_config=parallel_config,
                       device_config=DeviceConfig(device="cpu"),
-                      kv_transfer_config=kv_transfer_config)
+                      kv_transfer_config=kv_transfer_config,
+                      **({"additional_config": additional_config}
+                         if additional_config is not None else {}))
 
 
 def kv_cache_config_for(vllm_config: VllmConfig) -> KVCacheConfig:

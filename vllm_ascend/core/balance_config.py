@@ -97,6 +97,27 @@ def balance_scheduling_enabled(vllm_config: VllmConfig | None) -> bool:
     return env_value
 
 
+# Where ``decide_for_config`` records its decision: an attribute of the ``SchedulerConfig`` (not a
+# dataclass field), so it pickles with the config into engine-core processes, where
+# ``SchedulerConfig.get_scheduler_cls`` has no ``VllmConfig`` to decide from, and stays out of
+# vLLM's config hash.
+_DECISION_ATTR = "_vllm_ascend_balance_scheduling"
+
+
+def decide_for_config(vllm_config: VllmConfig) -> bool:
+    """``balance_scheduling_enabled(vllm_config)``, recorded on its ``SchedulerConfig``."""
+    enabled = balance_scheduling_enabled(vllm_config)
+    setattr(vllm_config.scheduler_config, _DECISION_ATTR, enabled)
+    return enabled
+
+
+def recorded_decision(scheduler_config: Any) -> bool:
+    """The decision ``decide_for_config`` recorded; the env flag for a ``SchedulerConfig`` that
+    never went through a ``VllmConfig`` (there is no config switch to read then)."""
+    decision = getattr(scheduler_config, _DECISION_ATTR, None)
+    return balance_scheduling_flag() if decision is None else bool(decision)
+
+
 def _on_off(value: bool) -> str:
     return "on" if value else "off"
 

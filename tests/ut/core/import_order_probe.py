@@ -1,6 +1,8 @@
 """Run as a script by test_activation.py and test_engine_import_order.py: imports vllm-ascend's
-real copying balance module and ours in a given order, then reports which scheduler classes
-vLLM's config resolves and which ``run_engine_core`` the engine launcher would use.
+real copying balance module and ours in a given order, with balance scheduling switched on by the
+env flag (``env``), by ``additional_config`` alone (``config``) or not at all (``off``), then
+reports which scheduler classes vLLM's config resolves and which ``run_engine_core`` the engine
+launcher would use.
 
 A separate process because the copying module rebinds vLLM globals irreversibly. Its package
 ``vllm_ascend.patch.platform.__init__`` imports NPU-only modules (torch_npu), so only that package
@@ -33,8 +35,11 @@ def import_vllm_ascend_copy() -> None:
         importlib.import_module(COPYING_MODULE)
 
 
-def main(order: str, model_dir: str) -> None:
-    os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
+def main(order: str, switch: str, model_dir: str) -> None:
+    os.environ.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)
+    if switch == "env":
+        os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
+    additional_config = {"enable_balance_scheduling": True} if switch == "config" else None
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
     from offline_vllm import make_vllm_config
 
@@ -56,8 +61,16 @@ def main(order: str, model_dir: str) -> None:
 
     import vllm.v1.core.sched.scheduler as scheduler_module
 
+    import vllm.v1.core.sched.async_scheduler  # noqa: F401  (as EngineCore would, lazily)
+
+    configs = {async_scheduling: make_vllm_config(Path(model_dir), dp_size=2,
+                                                  async_scheduling=async_scheduling,
+                                                  additional_config=additional_config)
+               for async_scheduling in (False, True)}
     copy_module = sys.modules[COPYING_MODULE]
-    upstream = patch_balance_engine._upstream_run_engine_core
+    bound = EngineCoreProc.__dict__["run_engine_core"]  # vllm-ascend binds a plain function
+    launch = bound.__func__ if isinstance(bound, staticmethod) else bound
+    upstream = patch_balance_engine._upstream_run_engine_core or launch
     report = {
         "copy_module_is_ours": copy_module is patch_balance_schedule,
         "copy_bound_before_register": copy_bound,
@@ -69,8 +82,7 @@ def main(order: str, model_dir: str) -> None:
             and upstream.__code__.co_firstlineno == vllm_launch.__code__.co_firstlineno
             and upstream.__code__.co_filename == vllm_launch.__code__.co_filename),
     }
-    for async_scheduling in (False, True):
-        config = make_vllm_config(Path(model_dir), dp_size=2, async_scheduling=async_scheduling)
+    for async_scheduling, config in configs.items():
         resolved = config.scheduler_config.get_scheduler_cls()
         report[f"async={async_scheduling}"] = [
             f"{k.__module__}.{k.__qualname__}" for k in resolved.__mro__]
@@ -80,4 +92,4 @@ def main(order: str, model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

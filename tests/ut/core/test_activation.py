@@ -1,9 +1,10 @@
 """Activation: the pip-installed plugin turns balance scheduling on in vLLM, and only when asked.
 
-Covers the entry point, what ``SchedulerConfig.get_scheduler_cls`` returns with the flag on and
-off, config-time refusal of PD-disaggregated roles, vllm-ascend's own copying module imported
-before or after ours, that the installed vllm-ascend files are untouched, and that without this
-distribution (uninstalled) vLLM is stock.
+Covers the entry point, what ``SchedulerConfig.get_scheduler_cls`` returns with either switch (the
+env flag, or ``additional_config`` alone) on and off, config-time refusal of PD-disaggregated
+roles, vllm-ascend's own copying module imported before or after ours under either switch (and
+left alone when both are off), that the installed vllm-ascend files are untouched, and that
+without this distribution (uninstalled) vLLM is stock.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import importlib.metadata as metadata
 import json
 import os
+import pickle
 import subprocess
 import sys
 from base64 import urlsafe_b64encode
@@ -31,7 +33,7 @@ from vllm_ascend.core.balance_scheduler import (
     BalanceSchedulingMixin,
 )
 from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
-from vllm_ascend_balance import patch_balance_schedule
+from vllm_ascend_balance import patch_balance_engine, patch_balance_schedule
 
 DIST_NAME = "vllm-ascend-balance-scheduling"
 PLUGIN_NAME = "ascend_balance_scheduling"
@@ -80,12 +82,68 @@ def test_a_configured_scheduler_cls_is_balanced_too(registered: None, tiny_model
     assert issubclass(resolved, CustomScheduler) and issubclass(resolved, BalanceSchedulingMixin)
 
 
-def test_flag_off_installs_nothing(balance_off: None, tiny_model: Path) -> None:
-    before = SchedulerConfig.__dict__["get_scheduler_cls"]
+ON = {"enable_balance_scheduling": True}
+OFF = {"enable_balance_scheduling": False}
+
+
+@pytest.fixture
+def env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+
+
+@pytest.mark.parametrize("env", ["unset", "0"])
+def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_model: Path,
+                                       env: str) -> None:
+    if env == "unset":
+        monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", env)
     patch_balance_schedule.register()
-    assert SchedulerConfig.__dict__["get_scheduler_cls"] is before
-    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=True)
+    # The config-time wrappers are there (the config may still turn it on)...
+    assert patch_balance_schedule.is_registered()
+    # ...but nothing else: no engine route, vLLM's classes, vllm-ascend's module name free.
+    assert not patch_balance_engine.is_engine_hook_installed()
+    assert "vllm_ascend.patch.platform.patch_balance_schedule" not in sys.modules
+    for async_scheduling, stock in ((False, genuine_vllm_scheduler()), (True, AsyncScheduler)):
+        config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling)
+        assert config.scheduler_config.get_scheduler_cls() is stock
+    assert not patch_balance_engine.is_engine_hook_installed()
+
+
+@pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
+                                                         (True, BalanceAsyncScheduler)])
+def test_config_switch_alone_activates_at_config_time(env_unset: None, tiny_model: Path,
+                                                      async_scheduling: bool,
+                                                      expected: type) -> None:
+    patch_balance_schedule.register()
+    assert not patch_balance_engine.is_engine_hook_installed()
+    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling,
+                              additional_config=ON)
+    assert patch_balance_engine.is_engine_hook_installed()  # before any engine core starts
+    assert config.scheduler_config.get_scheduler_cls() is expected
+
+
+def test_config_switch_off_beats_the_env_flag(registered: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=True, additional_config=OFF)
     assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
+
+
+def test_the_decision_travels_with_the_config(env_unset: None, tiny_model: Path) -> None:
+    """Engine-core processes get the config pickled and no env switch: the decision made in the
+    front-end comes along, and vLLM's config hash ignores it."""
+    patch_balance_schedule.register()
+    on = make_vllm_config(tiny_model, dp_size=2, additional_config=ON)
+    plain = make_vllm_config(tiny_model, dp_size=2)
+    shipped = pickle.loads(pickle.dumps(on.scheduler_config))
+    assert shipped.get_scheduler_cls() is BalanceScheduler
+    assert on.scheduler_config.compute_hash() == plain.scheduler_config.compute_hash()
+
+
+def test_bad_config_value_fails_at_config_time(env_unset: None, tiny_model: Path) -> None:
+    patch_balance_schedule.register()
+    with pytest.raises(ValueError, match="enable_balance_scheduling.*true and false"):
+        make_vllm_config(tiny_model, dp_size=2,
+                         additional_config={"enable_balance_scheduling": "false"})
 
 
 def test_flag_turned_off_later_gives_stock_classes(registered: None, tiny_model: Path,
@@ -109,11 +167,16 @@ def test_bad_flag_fails_at_plugin_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
-def test_pd_disaggregated_role_fails_at_config_time(registered: None, tiny_model: Path,
-                                                    role: str) -> None:
+@pytest.mark.parametrize("switch", ["env", "config"])
+def test_pd_disaggregated_role_fails_at_config_time(monkeypatch: pytest.MonkeyPatch,
+                                                    tiny_model: Path, role: str,
+                                                    switch: str) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1" if switch == "env" else "0")
+    patch_balance_schedule.register()
     with pytest.raises(ValueError, match=f"supports only PD-mixed.*{role}"):
         make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role=role))
+            kv_connector="ExampleConnector", kv_role=role),
+            additional_config=ON if switch == "config" else None)
 
 
 def test_pd_mixed_role_is_accepted(registered: None, tiny_model: Path) -> None:
@@ -129,17 +192,38 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
-def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Path,
-                                                                 order: str) -> None:
-    out = _run([sys.executable, str(HERE / "import_order_probe.py"), order, str(tiny_model)])
+def _probe(order: str, switch: str, tiny_model: Path) -> dict[str, Any]:
+    out = _run([sys.executable, str(HERE / "import_order_probe.py"), order, switch,
+                str(tiny_model)])
     report: dict[str, Any] = json.loads(out.split("PROBE ", 1)[1].splitlines()[0])
+    return report
+
+
+@pytest.mark.parametrize("switch", ["env", "config"])
+@pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
+def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Path, order: str,
+                                                                 switch: str) -> None:
+    report = _probe(order, switch, tiny_model)
     for key, ours in (("async=False", "BalanceScheduler"), ("async=True", "BalanceAsyncScheduler")):
         mro = report[key]
         assert mro[0] == f"vllm_ascend.core.balance_scheduler.{ours}", mro
         assert not any(name.startswith("vllm_ascend.patch.") for name in mro), mro
     assert report["scheduler_global"] == "vllm.v1.core.sched.scheduler.Scheduler"
-    assert report["copy_module_is_ours"] is (order == "ours-first")
+    # Only the env flag is known before vllm-ascend imports its module (and makes 0.18 import it).
+    assert report["copy_module_is_ours"] is (order == "ours-first" and switch == "env")
+
+
+@pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
+def test_with_both_switches_off_vllm_ascends_module_is_left_in_effect(tiny_model: Path,
+                                                                      order: str) -> None:
+    """vllm-ascend 0.23 imports its module unconditionally (its off path and its kv_producer
+    preemption guard live there): with balance scheduling off, this plugin changes nothing."""
+    report = _probe(order, "off", tiny_model)
+    copy_class = "vllm_ascend.patch.platform.patch_balance_schedule.BalanceScheduler"
+    assert report["scheduler_global"] == copy_class
+    assert report["async=False"][0] == copy_class
+    assert not report["copy_module_is_ours"]
+    assert not report["launch_is_ours"]
 
 
 def _record_hash(path: Path) -> str:

@@ -1,5 +1,6 @@
-"""Whichever of vllm-ascend's copying module and this plugin is imported first, the engine-core
-launch goes through this plugin's hook and ends in vLLM's genuine ``run_engine_core``."""
+"""Whichever of vllm-ascend's copying module and this plugin is imported first, and whichever
+switch turns balance scheduling on, the engine-core launch goes through this plugin's hook and
+ends in vLLM's genuine ``run_engine_core``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PROBE = Path(__file__).parents[1] / "core" / "import_order_probe.py"
+REPAIR_LOG = "replaced EngineCoreProc.run_engine_core with a stale copy"
 
 
-def test_engine_hook_wins_in_both_import_orders(tiny_model: Path) -> None:
+@pytest.mark.parametrize("switch", ["env", "config"])
+def test_engine_hook_wins_in_both_import_orders(tiny_model: Path, switch: str) -> None:
     # Both probes start before either is awaited: their vLLM imports overlap.
-    probes = {order: subprocess.Popen([sys.executable, str(PROBE), order, str(tiny_model)],
+    probes = {order: subprocess.Popen([sys.executable, str(PROBE), order, switch,
+                                       str(tiny_model)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for order in ("theirs-first", "ours-first")}
     reports = {}
@@ -27,10 +33,18 @@ def test_engine_hook_wins_in_both_import_orders(tiny_model: Path) -> None:
     # repair says so.
     assert theirs["copy_bound_before_register"] == (
         "vllm_ascend.patch.platform.patch_balance_schedule")
-    assert "replaced EngineCoreProc.run_engine_core with a stale copy" in theirs_log
-    assert "stale copy" not in reports["ours-first"][1]
+    assert REPAIR_LOG in theirs_log
+    ours, ours_log = reports["ours-first"]
+    if switch == "env":
+        # Activated at plugin load, with vllm-ascend's module name bound to ours: it never runs.
+        assert ours["copy_module_is_ours"]
+        assert REPAIR_LOG not in ours_log
+    else:
+        # Activated only when the config is built: vllm-ascend's module ran in between and
+        # displaced nothing of ours yet; activation repairs what it bound.
+        assert not ours["copy_module_is_ours"]
+        assert REPAIR_LOG in ours_log
     for order, (report, _) in reports.items():
         assert report["launch_is_ours"], order
         assert report["upstream_module"] == "vllm.v1.engine.core", order
         assert report["upstream_is_vllm_code"], order
-    assert reports["ours-first"][0]["copy_module_is_ours"]

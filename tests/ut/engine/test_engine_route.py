@@ -25,6 +25,7 @@ from vllm_ascend_balance import patch_balance_engine
 from vllm_ascend_balance import patch_balance_schedule
 
 HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
+CONFIG_ON = {"enable_balance_scheduling": True}
 DENSE_LOG = "is inactive for this dense (non-MoE) model"
 
 
@@ -50,10 +51,27 @@ def engine_hook(balance_on: None) -> Iterator[Any]:
     patch_balance_engine.uninstall_engine_hook()
 
 
-def test_hook_is_off_without_the_flag(balance_off: None) -> None:
-    patch_balance_engine.install_engine_hook()
-    assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
-    assert not patch_balance_engine.is_engine_hook_installed()
+def test_plugin_leaves_the_launch_alone_with_both_switches_off(
+        balance_off: None, tiny_moe_model: Path) -> None:
+    patch_balance_schedule.register()
+    try:
+        make_vllm_config(tiny_moe_model, dp_size=2)
+        assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
+        assert not patch_balance_engine.is_engine_hook_installed()
+    finally:
+        patch_balance_schedule.unregister()
+
+
+def test_the_config_switch_installs_the_hook_when_the_config_is_built(
+        monkeypatch: pytest.MonkeyPatch, tiny_moe_model: Path) -> None:
+    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+    patch_balance_schedule.register()
+    try:
+        assert not patch_balance_engine.is_engine_hook_installed()
+        make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
+        assert patch_balance_engine.is_engine_hook_installed()
+    finally:
+        patch_balance_schedule.unregister()
 
 
 def test_plugin_register_installs_the_hook(balance_on: None) -> None:
@@ -181,3 +199,33 @@ def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
     assert DENSE_LOG not in logs["moe"]
     assert HOOK_LOG not in logs["dense"], logs["dense"]
     assert logs["dense"].count(DENSE_LOG) == 1, logs["dense"]
+
+
+def test_spawned_engine_cores_follow_the_config_switch_alone(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_moe_model: Path) -> None:
+    """No env flag anywhere: the config switch installs the route in the front-end, and each
+    engine-core child decides from the config it receives (on: hook class; silent: stock)."""
+    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    patch_balance_schedule.register()
+    try:
+        switched_on = make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
+        silent = make_vllm_config(tiny_moe_model, dp_size=2)
+        assert patch_balance_engine.is_engine_hook_installed()
+        managers = {"on": _launch(switched_on, tmp_path / "on.log"),
+                    "silent": _launch(silent, tmp_path / "silent.log")}
+        logs = {}
+        for name, manager in managers.items():
+            (process,) = manager.processes
+            process.join(timeout=240)
+            assert process.exitcode == 1, f"{name} engine core did not stop at the handshake"
+            logs[name] = (tmp_path / f"{name}.log").read_text()
+            assert "Protocol not supported" in logs[name], logs[name]
+    finally:
+        patch_balance_schedule.unregister()
+    assert HOOK_LOG in logs["on"], logs["on"]
+    assert "set by additional_config['enable_balance_scheduling']=True" in logs["on"]
+    assert "vllm_ascend/core/balance_engine_core.py" in logs["on"]
+    assert HOOK_LOG not in logs["silent"], logs["silent"]
+    assert "vllm_ascend/core/balance_engine_core.py" not in logs["silent"]

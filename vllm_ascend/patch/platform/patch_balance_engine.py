@@ -1,8 +1,10 @@
 """Wiring only: makes vLLM's MoE data-parallel engine-core processes run the balance gather hook.
 
-Installed with pip, this module is ``vllm_ascend_balance.patch_balance_engine``; the plugin's
-``register()`` (``patch_balance_schedule``) calls ``install_engine_hook()`` when
-``VLLM_ASCEND_BALANCE_SCHEDULING=1``.
+Installed with pip, this module is ``vllm_ascend_balance.patch_balance_engine``; the plugin
+(``patch_balance_schedule``) calls ``install_engine_hook()`` in the front-end as soon as a switch
+turns balance scheduling on: at plugin load for ``VLLM_ASCEND_BALANCE_SCHEDULING=1``, when the
+``VllmConfig`` is built for ``additional_config={"enable_balance_scheduling": true}`` — both
+before the engine cores are launched.
 
 Why this route. vLLM's ``EngineCoreProc.run_engine_core`` (a staticmethod) runs first in every
 engine-core process and picks ``DPEngineCoreProc`` through its *module global* name when the model
@@ -14,14 +16,17 @@ general plugins before it launches the engine cores, and the launcher looks up
 * ``install_engine_hook()`` replaces that staticmethod with ``run_engine_core`` below, a
   module-level function of *this* module. A spawned child unpickles the process target by
   reference, i.e. imports this module and finds the function here; a forked child inherits it.
-* ``run_engine_core`` runs inside the engine-core process: it rebinds the module global
+* ``run_engine_core`` runs inside the engine-core process and decides again from the config it is
+  given (``balance_scheduling_enabled``: off there means vLLM's function, untouched); when on, it
+  rebinds the module global
   ``vllm.v1.engine.core.DPEngineCoreProc`` to ``BalanceDPEngineCoreProc`` and calls vLLM's own
   ``run_engine_core``, which still makes every decision itself. MoE DP therefore builds the hook
   class; dense DP and DP = 1 build stock ``EngineCoreProc`` (with the reason logged once).
 
 vllm-ascend's copying module replaces ``run_engine_core`` with a stale copy (which builds its DP
-engine for dense models too and asserts). If it ran before this plugin, vLLM's genuine function is
-no longer referenced anywhere; it is rebuilt from the installed ``vllm/v1/engine/core.py`` (vLLM's
+engine for dense models too and asserts). If it ran before the hook is installed (or displaced
+the hook: ``install_engine_hook`` runs again at config time), vLLM's genuine function is no longer
+referenced anywhere; it is rebuilt from the installed ``vllm/v1/engine/core.py`` (vLLM's
 own source, compiled in its own module namespace; nothing is copied into this project) and a
 warning says so. Any other replacement is refused.
 """
@@ -38,7 +43,12 @@ import vllm.v1.engine.core as engine_core_module
 from vllm.logger import init_logger
 from vllm.v1.engine.core import EngineCoreProc
 
-from vllm_ascend.core.balance_config import BALANCE_SCHEDULING_ENV, balance_scheduling_flag
+from vllm_ascend.core.balance_config import (
+    BALANCE_SCHEDULING_CONFIG_KEY,
+    BALANCE_SCHEDULING_ENV,
+    balance_scheduling_enabled,
+    decide_for_config,
+)
 from vllm_ascend.core.balance_upstream import VLLM_ASCEND_COPYING_MODULE
 
 # Under vLLM's "vllm" logger: vLLM configures only that hierarchy (it does not propagate), so a
@@ -49,16 +59,18 @@ _LAUNCH_METHOD = "run_engine_core"
 _DP_CLASS_GLOBAL = "DPEngineCoreProc"
 _VLLM_QUALNAME = f"{EngineCoreProc.__qualname__}.{_LAUNCH_METHOD}"
 
+# How to turn it off, for the errors below.
+_SWITCHES_OFF = (f"unset {BALANCE_SCHEDULING_ENV} and additional_config"
+                 f"[{BALANCE_SCHEDULING_CONFIG_KEY!r}]")
+
 # vLLM's genuine run_engine_core, recorded when the hook is installed (a forked child inherits
 # it; a spawned child finds vLLM's function still in place on its freshly imported class).
 _upstream_run_engine_core: Callable[..., Any] | None = None
 
 
 def install_engine_hook() -> None:
-    """Front-end side: route engine-core launches through ``run_engine_core`` (flag on only)."""
+    """Front-end side: route engine-core launches through ``run_engine_core`` (idempotent)."""
     global _upstream_run_engine_core
-    if not balance_scheduling_flag():
-        return
     current = _launch_function()
     if current is run_engine_core:
         return
@@ -67,9 +79,9 @@ def install_engine_hook() -> None:
     problems = installed_engine_seam_problems()
     if problems:
         raise RuntimeError(
-            f"{BALANCE_SCHEDULING_ENV}=1: the installed vLLM's engine core no longer offers the "
+            "Balance scheduling is on, but the installed vLLM's engine core no longer offers the "
             "seam the balance gather relies on (one gather per active DP engine step):\n  - "
-            + "\n  - ".join(problems) + f"\nUnset {BALANCE_SCHEDULING_ENV} for this vLLM.")
+            + "\n  - ".join(problems) + f"\nFor this vLLM, {_SWITCHES_OFF}.")
     _upstream_run_engine_core = _genuine(current)
     setattr(EngineCoreProc, _LAUNCH_METHOD, staticmethod(run_engine_core))
 
@@ -97,8 +109,11 @@ def run_engine_core(*args: Any, **kwargs: Any) -> Any:
     vLLM's, or a spawned child would import vLLM's original instead.
     """
     upstream = _upstream_run_engine_core or _genuine(_launch_function())
-    if balance_scheduling_flag():
-        _use_hook_class(kwargs.get("vllm_config"))
+    vllm_config = kwargs.get("vllm_config")
+    enabled = (balance_scheduling_enabled(None) if vllm_config is None
+               else decide_for_config(vllm_config))
+    if enabled:
+        _use_hook_class(vllm_config)
     return upstream(*args, **kwargs)
 
 
@@ -111,10 +126,9 @@ def _use_hook_class(vllm_config: Any) -> None:
     dp_size = vllm_config.parallel_config.data_parallel_size
     if dp_size > 1 and not vllm_config.model_config.is_moe:
         logger.info_once(
-            "%s=1 is inactive for this dense (non-MoE) model: vLLM runs its %d DP ranks as "
-            "independent engines (no DP group, no lockstep), so there is nothing to balance; "
-            "each engine core runs stock vLLM with data_parallel_size=1.",
-            BALANCE_SCHEDULING_ENV, dp_size)
+            "Balance scheduling is inactive for this dense (non-MoE) model: vLLM runs its %d DP "
+            "ranks as independent engines (no DP group, no lockstep), so there is nothing to "
+            "balance; each engine core runs stock vLLM with data_parallel_size=1.", dp_size)
 
 
 def _launch_function() -> Callable[..., Any]:
@@ -130,15 +144,15 @@ def _genuine(function: Callable[..., Any]) -> Callable[..., Any]:
         return function
     if module == VLLM_ASCEND_COPYING_MODULE:
         logger.warning(
-            "%s=1: vllm-ascend's copying balance module was imported before this plugin and "
-            "replaced EngineCoreProc.run_engine_core with a stale copy; rebuilding vLLM's own "
-            "function from %s (the zero-copy engine hook replaces the copy).",
-            BALANCE_SCHEDULING_ENV, engine_core_module.__file__)
+            "Balance scheduling is on: vllm-ascend's copying balance module (%s) replaced "
+            "EngineCoreProc.run_engine_core with a stale copy; rebuilding vLLM's own function "
+            "from %s (the zero-copy engine hook replaces the copy).",
+            VLLM_ASCEND_COPYING_MODULE, engine_core_module.__file__)
         return _rebuild_vllm_run_engine_core()
     raise RuntimeError(
-        f"{BALANCE_SCHEDULING_ENV}=1: EngineCoreProc.run_engine_core is {module}.{qualname}, not "
-        "vLLM's; balance scheduling cannot tell which engine-core class it builds. Remove that "
-        f"patch or unset {BALANCE_SCHEDULING_ENV}.")
+        f"Balance scheduling is on, but EngineCoreProc.run_engine_core is {module}.{qualname}, "
+        "not vLLM's; balance scheduling cannot tell which engine-core class it builds. Remove "
+        f"that patch or {_SWITCHES_OFF}.")
 
 
 def _rebuild_vllm_run_engine_core() -> FunctionType:

@@ -5,15 +5,28 @@ Installed with pip, this module is ``vllm_ascend_balance.patch_balance_schedule`
 resolves the scheduler class (``EngineCore.__init__`` loads general plugins first). In the
 fork-style tree it sits at vllm-ascend's path, replacing vllm-ascend's copying module.
 
-What ``register`` does when ``VLLM_ASCEND_BALANCE_SCHEDULING=1`` (nothing at all when it is off):
+Balance scheduling is switched on by ``VLLM_ASCEND_BALANCE_SCHEDULING=1`` or by
+``additional_config={"enable_balance_scheduling": true}`` (the config wins when it names the key;
+``balance_config`` decides). The env flag is readable when the plugin loads; the config switch only
+once a ``VllmConfig`` exists. So ``register`` installs two cheap wrappers in every case, and the
+rest happens as soon as a switch says "on":
 
-* wraps ``SchedulerConfig.get_scheduler_cls`` so whatever class vLLM would use (``Scheduler``,
-  ``AsyncScheduler``, a configured ``scheduler_cls``) comes back with the balance mixin applied;
-* wraps ``VllmConfig.__post_init__`` so PD-disaggregated roles are refused when the config is built;
-* keeps vllm-ascend's copying module from taking effect, whichever is imported first: if it has
-  not run yet its module name is bound to this module; if it has, its rebinding of vLLM's
-  ``Scheduler`` global is undone (and ``AsyncScheduler``, if it was built on the copy, rebuilt);
-* installs the engine-core hook (``patch_balance_engine``): one gather per active MoE DP step.
+* ``SchedulerConfig.get_scheduler_cls`` is wrapped: when balance scheduling is on for that config
+  (the decision is recorded on the ``SchedulerConfig`` and travels with it to engine-core
+  processes), whatever class vLLM would use (``Scheduler``, ``AsyncScheduler``, a configured
+  ``scheduler_cls``) comes back with the balance mixin applied; when off, vLLM's answer untouched;
+* ``VllmConfig.__post_init__`` is wrapped: it decides for the new config, refuses configurations
+  balance scheduling cannot serve, and, when on, activates the rest in this process;
+* activation keeps vllm-ascend's copying module from taking effect, whichever is imported first
+  (its rebinding of vLLM's ``Scheduler`` global is undone and ``AsyncScheduler``, if it was built on
+  the copy, rebuilt), and installs the engine-core route (``patch_balance_engine``): one gather per
+  active MoE DP step.
+
+With the env flag on, activation happens at once in ``register`` and vllm-ascend's module name is
+also bound to this module when it has not been imported yet: vllm-ascend 0.18 imports its copy
+under that flag and balances with it whatever the config says. With both switches off, nothing
+of vLLM's or vllm-ascend's behaviour changes (vllm-ascend 0.23 imports its module unconditionally;
+it then stays in effect, as it would without this plugin).
 """
 
 from __future__ import annotations
@@ -28,9 +41,10 @@ from vllm.logger import init_logger
 
 import vllm.v1.core.sched.scheduler as vllm_scheduler_module
 from vllm_ascend.core.balance_config import (
-    BALANCE_SCHEDULING_ENV,
     balance_scheduling_flag,
     check_balance_scheduling_supported,
+    decide_for_config,
+    recorded_decision,
 )
 from vllm_ascend.core.balance_upstream import (
     VLLM_ASCEND_COPYING_MODULE,
@@ -49,12 +63,16 @@ _WRAPPED_MARK = "__balance_scheduling_wrapped__"
 
 
 def register() -> None:
-    """Entry point: install balance scheduling in this process when the flag is on."""
-    if not balance_scheduling_flag():
-        return
-    _keep_vllm_ascend_copy_out()
+    """Entry point: install the config-time wrappers; activate now when the env flag is on."""
     _wrap_once(SchedulerConfig, "get_scheduler_cls", _balanced_get_scheduler_cls)
     _wrap_once(VllmConfig, "__post_init__", _checked_post_init)
+    if balance_scheduling_flag():
+        activate(bind_copying_module_name=True)
+
+
+def activate(*, bind_copying_module_name: bool = False) -> None:
+    """Make this process's scheduler and engine-core launch the zero-copy ones (idempotent)."""
+    _keep_vllm_ascend_copy_out(bind_copying_module_name)
     install_engine_hook()  # the engine-core side: one gather per active MoE DP step
 
 
@@ -86,10 +104,12 @@ def _wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable[..., Any
 
 def _balanced_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) -> Callable[..., type]:
     def get_scheduler_cls(self: SchedulerConfig) -> type:
+        if not recorded_decision(self):
+            return original(self)
+        # Repaired here too, not only at config time: vllm-ascend's module may have been imported
+        # (and rebound vLLM's Scheduler) since, e.g. by a plugin in an engine-core process.
+        _keep_vllm_ascend_copy_out(bind_copying_module_name=False)
         resolved = original(self)
-        if not balance_scheduling_flag():
-            return resolved
-        # Imported here, after _keep_vllm_ascend_copy_out repaired vLLM's bindings.
         from vllm_ascend.core.balance_scheduler import balance_scheduler_class
 
         if copied_schedule_classes(resolved):
@@ -110,27 +130,29 @@ def _balanced_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) -> 
 def _checked_post_init(original: Callable[..., None]) -> Callable[..., None]:
     def __post_init__(self: VllmConfig, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        if balance_scheduling_flag():
+        if decide_for_config(self):
             check_balance_scheduling_supported(self)
+            activate()
 
     return __post_init__
 
 
-def _keep_vllm_ascend_copy_out() -> None:
+def _keep_vllm_ascend_copy_out(bind_copying_module_name: bool) -> None:
     this_module = sys.modules[__name__]
     existing = sys.modules.get(VLLM_ASCEND_COPYING_MODULE)
     if existing is None:
-        # vllm-ascend imports its module when the same flag is set; it now gets this one.
-        sys.modules[VLLM_ASCEND_COPYING_MODULE] = this_module
+        if bind_copying_module_name:
+            # vllm-ascend imports its module under the env flag; it now gets this one.
+            sys.modules[VLLM_ASCEND_COPYING_MODULE] = this_module
         return
     if existing is this_module:
         return
     genuine = genuine_vllm_scheduler()
     if vllm_scheduler_module.Scheduler is not genuine:
         logger.warning(
-            "%s=1: vllm-ascend's copying balance scheduler was imported before this plugin; "
-            "restoring vLLM's Scheduler (%s is replaced by the zero-copy implementation).",
-            BALANCE_SCHEDULING_ENV, VLLM_ASCEND_COPYING_MODULE)
+            "Balance scheduling is on: vllm-ascend's copying balance scheduler (%s) rebound "
+            "vLLM's Scheduler; restoring vLLM's own (the zero-copy implementation replaces the "
+            "copy).", VLLM_ASCEND_COPYING_MODULE)
         vllm_scheduler_module.Scheduler = genuine
     async_module = sys.modules.get("vllm.v1.core.sched.async_scheduler")
     if async_module is not None and copied_schedule_classes(async_module.AsyncScheduler):
