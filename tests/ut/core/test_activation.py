@@ -92,6 +92,24 @@ def env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("env", ["unset", "0"])
+def _class_built_on_a_copy() -> type:
+    """Stand-in for vllm-ascend 0.23's ProfilingChunkScheduler: a scheduler class in another
+    module whose base is the copying module's scheduler (defined under that module's name)."""
+    namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule",
+                                 "Base": genuine_vllm_scheduler()}
+    exec("class BalanceScheduler(Base):\n    def schedule(self, *a, **k):\n"
+         "        raise AssertionError('copied schedule() ran')", namespace)
+    return type("ProfilingChunkScheduler", (namespace["BalanceScheduler"],),
+                {"__module__": "vllm_ascend.core.scheduler_profiling_chunk"})
+
+
+def test_a_scheduler_cls_built_on_the_copy_is_refused(registered: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=_class_built_on_a_copy())
+    with pytest.raises(RuntimeError, match="scheduler_profiling_chunk.ProfilingChunkScheduler "
+                                           "is built on vllm-ascend's copied schedule"):
+        config.scheduler_config.get_scheduler_cls()
+
+
 def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_model: Path,
                                        env: str) -> None:
     if env == "unset":

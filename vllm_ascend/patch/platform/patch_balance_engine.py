@@ -143,7 +143,7 @@ def _genuine(function: Callable[..., Any]) -> Callable[..., Any]:
     if module == engine_core_module.__name__ and qualname == _VLLM_QUALNAME:
         return function
     if module == VLLM_ASCEND_COPYING_MODULE:
-        logger.warning(
+        logger.info(
             "Balance scheduling is on: vllm-ascend's copying balance module (%s) replaced "
             "EngineCoreProc.run_engine_core with a stale copy; rebuilding vLLM's own function "
             "from %s (the zero-copy engine hook replaces the copy).",

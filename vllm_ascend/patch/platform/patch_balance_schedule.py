@@ -149,7 +149,7 @@ def _keep_vllm_ascend_copy_out(bind_copying_module_name: bool) -> None:
         return
     genuine = genuine_vllm_scheduler()
     if vllm_scheduler_module.Scheduler is not genuine:
-        logger.warning(
+        logger.info(
             "Balance scheduling is on: vllm-ascend's copying balance scheduler (%s) rebound "
             "vLLM's Scheduler; restoring vLLM's own (the zero-copy implementation replaces the "
             "copy).", VLLM_ASCEND_COPYING_MODULE)
