@@ -13,6 +13,9 @@ names the file and prints the hunk that conflicts.
     scripts/apply_patches.py status  [--target DIR | --installed]
     scripts/apply_patches.py apply   [--target DIR | --installed] [--dry-run]
     scripts/apply_patches.py revert  [--target DIR | --installed] [--dry-run]
+
+Without ``--series`` it uses the series of the manifest (``patches/*.toml``) whose ``[base]
+version`` is the installed vllm-ascend's.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SERIES = REPO_ROOT / "patches" / "vllm-ascend-v0.18.0"
+from export_patches import REPO_ROOT, ExportError, load_manifest
+
 BACKUP_DIR_NAME = ".vllm-ascend-balance-backup"
 
 
@@ -68,6 +71,14 @@ def find_target(target: Path | None, installed: bool) -> Target:
         raise ApplyError(f"{root} has no vllm_ascend/ directory: not a vllm-ascend tree")
     is_site = any(root.glob("vllm_ascend-*.dist-info"))
     return Target(root, is_site)
+
+
+def default_series() -> Path:
+    """The series cut against the installed vllm-ascend release (see export_patches)."""
+    try:
+        return REPO_ROOT / load_manifest().output
+    except ExportError as error:
+        raise ApplyError(f"{error}\nGive a series with --series.") from None
 
 
 def series_files(series: Path) -> list[Path]:
@@ -209,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="a vllm-ascend source checkout, or a site-packages directory")
     where.add_argument("--installed", action="store_true",
                        help="the vllm-ascend installed in this Python environment")
-    parser.add_argument("--series", type=Path, default=DEFAULT_SERIES)
+    parser.add_argument("--series", type=Path,
+                        help="a directory of *.patch files (default: the series of the manifest "
+                             "for the installed vllm-ascend release)")
     parser.add_argument("--dry-run", action="store_true", help="check only, change nothing")
     args = parser.parse_args(argv)
     try:
         target = find_target(args.target, args.installed)
-        patches = series_files(args.series)
+        patches = series_files(args.series or default_series())
         if args.command == "status":
             kind = "installed vllm-ascend (vllm_ascend/ only)" if target.installed else "checkout"
             print(f"{target.root} [{kind}]: {state(target, patches).value}")

@@ -2,10 +2,12 @@
 """Exports this repository's fork-style files as a ``git format-patch`` series against vllm-ascend.
 
 Why: vllm-ascend maintainers take the change as a PR and Ascend CI applies it to a release
-checkout, so the series in ``patches/`` must always equal what the working tree holds. The manifest
-(``patches/vllm-ascend-v0.18.0.toml``) says which repository file goes to which vllm-ascend path and
-in which commit; this script builds a throw-away git repository holding the pristine vllm-ascend
-files the series touches, commits the mapped files on top, and runs ``git format-patch``.
+checkout, so the series in ``patches/`` must always equal what the working tree holds. There is
+one manifest per vllm-ascend release (``patches/vllm-ascend-v<version>.toml``); it says which
+repository file goes to which vllm-ascend path and in which commit; this script builds a
+throw-away git repository holding the pristine vllm-ascend files the series touches, commits the
+mapped files on top, and runs ``git format-patch``. Without ``--manifest`` it uses the manifest
+whose ``[base] version`` is the installed vllm-ascend's.
 
 Pristine sources come from PyPI artefacts only (CI has no GitHub access): the installed
 vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel
@@ -14,7 +16,7 @@ fetched with ``pip download``. The wheel holds ``vllm_ascend/`` but no ``tests/`
 
     scripts/export_patches.py                    regenerate patches/<series>/
     scripts/export_patches.py --check            exit 1 if patches/ is stale or does not apply
-    scripts/export_patches.py --checkout DIR     also ``git am`` the series onto tag v0.18.0 of DIR
+    scripts/export_patches.py --checkout DIR     also ``git am`` the series onto the manifest's tag
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import fnmatch
 import hashlib
 import importlib.metadata as metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MANIFEST = REPO_ROOT / "patches" / "vllm-ascend-v0.18.0.toml"
+PATCHES_DIR = REPO_ROOT / "patches"
 
 
 class ExportError(RuntimeError):
@@ -77,6 +80,9 @@ class PatchSpec:
     files: tuple[FileRule, ...]
     rewrites: tuple[Rewrite, ...] = ()
     edits: tuple[Edit, ...] = ()
+    # Names none of this patch's files may contain once rewritten (as a whole identifier):
+    # a form the rewrites do not cover fails the export instead of being half-rewritten.
+    forbid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,44 @@ class Manifest:
         return f"{self.distribution}=={self.version}"
 
 
-def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
+def manifest_versions(patches_dir: Path = PATCHES_DIR) -> dict[Path, tuple[str, str]]:
+    """Every manifest in patches_dir with the (distribution, version) of its ``[base]``."""
+    found = {}
+    for path in sorted(patches_dir.glob("*.toml")):
+        base = tomllib.loads(path.read_text()).get("base", {})
+        if "distribution" in base and "version" in base:
+            found[path] = (base["distribution"], base["version"])
+    return found
+
+
+def default_manifest(patches_dir: Path = PATCHES_DIR) -> Path:
+    """The manifest whose ``[base]`` names the vllm-ascend release installed here.
+
+    The series only applies to the release it was cut against, so the installed distribution,
+    not a version written into this script, picks it.
+    """
+    available = manifest_versions(patches_dir)
+    installed: dict[str, str | None] = {}
+    for distribution, _ in available.values():
+        try:
+            installed[distribution] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            installed[distribution] = None
+    matching = [path for path, (dist, version) in available.items() if installed[dist] == version]
+    if len(matching) == 1:
+        return matching[0]
+    listing = "\n  ".join(f"{path.name} ({dist} {version})"
+                          for path, (dist, version) in available.items()) or "(none)"
+    here = ", ".join(f"{dist} {version or 'not installed'}"
+                     for dist, version in installed.items()) or "nothing to compare"
+    reason = "several manifests match" if matching else "no manifest matches"
+    raise ExportError(f"{reason} the installed release ({here}). "
+                      f"Manifests in {patches_dir}:\n  {listing}")
+
+
+def load_manifest(path: Path | None = None) -> Manifest:
+    """Read a manifest; without a path, the one for the installed vllm-ascend release."""
+    path = default_manifest() if path is None else path
     data = tomllib.loads(path.read_text())
     patches = []
     for entry in data["patch"]:
@@ -108,6 +151,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
             files=tuple(FileRule(f["from"], f.get("to")) for f in entry.get("files", [])),
             rewrites=tuple(Rewrite(r["find"], r["replace"]) for r in entry.get("rewrite", [])),
             edits=tuple(Edit(e["path"], e["find"], e["replace"]) for e in entry.get("edit", [])),
+            forbid=tuple(entry.get("forbid", [])),
         ))
     return Manifest(
         path=path, distribution=data["base"]["distribution"], version=data["base"]["version"],
@@ -161,6 +205,7 @@ def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
                 text = (root / source).read_bytes()
                 for rewrite in patch.spec.rewrites:
                     text = text.replace(rewrite.find.encode(), rewrite.replace.encode())
+                _refuse_forbidden(text, patch.spec, source, manifest)
                 patch.files[target] = text
                 patch.sources[target] = source
     unclassified = [f for f in files if any(_matches(f, s) for s in manifest.scope)
@@ -173,6 +218,19 @@ def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
     if empty:
         raise ExportError(f"patches with no files: {', '.join(empty)}")
     return resolved
+
+
+def _refuse_forbidden(text: bytes, spec: PatchSpec, source: str, manifest: Manifest) -> None:
+    """Raise when a rewritten file still names something ``spec.forbid`` lists."""
+    for name in spec.forbid:
+        # Whole identifiers only: "_x_scheduling" does not name "x".
+        pattern = re.compile(rb"(?<!\w)" + re.escape(name.encode()) + rb"(?!\w)")
+        for number, line in enumerate(text.splitlines(), start=1):
+            if pattern.search(line):
+                raise ExportError(
+                    f"{source}:{number} still names {name!r} after the rewrites of patch "
+                    f"{spec.slug!r}; add a rewrite for this form to {manifest.path.name}:\n  "
+                    + line.decode(errors="replace").strip())
 
 
 # ------------------------------------------------------------------------- pristine vllm-ascend
@@ -463,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=REPO_ROOT,
                         help="repository whose files are exported (default: this one)")
-    parser.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
+    parser.add_argument("--manifest", type=Path,
+                        help="default: the patches/*.toml whose [base] version is the installed "
+                             "vllm-ascend's")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the committed series is stale or does not apply")
     parser.add_argument("--wheel", type=Path,
@@ -478,7 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
-        manifest = load_manifest(args.manifest)
+        try:
+            manifest = load_manifest(args.manifest)
+        except ExportError as error:
+            raise ExportError(f"{error}\nGive one with --manifest.") from None
         source = PristineSource(manifest, wheel=args.wheel)
         if args.check:
             problems = check(manifest, root, source)

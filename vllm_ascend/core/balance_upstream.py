@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import vllm.v1.core.sched.scheduler as vllm_scheduler_module
 
-# vllm-ascend's release defines its copying BalanceScheduler in this module (this project's
-# fork-style wiring lives at the same path but defines no scheduler class).
+# vllm-ascend's release defines its copying BalanceScheduler in this module (on the v0.18.0 line
+# this project's patch series puts its wiring at the same path; it defines no scheduler class).
 VLLM_ASCEND_COPYING_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
 
 

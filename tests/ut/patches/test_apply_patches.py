@@ -13,16 +13,17 @@ from apply_patches import (
     State,
     Target,
     apply,
+    default_series,
     find_target,
+    main,
     revert,
     series_files,
     state,
 )
 from export_patches import REPO_ROOT
+from release_manifest import INIT, NEW_FILES, PROJECT, REGISTER_CALL
 
-INIT = "vllm_ascend/patch/platform/__init__.py"
-NEW_FILES = ["vllm_ascend/core/balance_example.py", "tests/ut/core/test_example.py",
-             "tests/ut/core/helper.py"]
+DIST_INFO = f"vllm_ascend-{PROJECT.version}.dist-info"
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -44,7 +45,7 @@ def test_apply_is_checked_backed_up_idempotent_and_reverts_exactly(
     assert state(target, patches) is State.APPLIED
     patched = snapshot(vllm_ascend_tree)
     assert all(path in patched for path in NEW_FILES)
-    assert b"register()" in patched[INIT]
+    assert REGISTER_CALL.encode() in patched[INIT]
     (backup,) = (vllm_ascend_tree / BACKUP_DIR_NAME).iterdir()
     assert str(backup) in report
     assert (backup / INIT).read_bytes() == original[INIT]
@@ -71,7 +72,7 @@ def test_a_conflict_names_the_hunk_and_changes_nothing(vllm_ascend_tree: Path,
     message = str(error.value)
     assert f"patch failed: {INIT}:" in message
     assert f"--- conflicting hunk in {INIT}" in message
-    assert "+    register()" in message
+    assert f"+{REGISTER_CALL}" in message
     assert snapshot(vllm_ascend_tree) == before
     assert not (vllm_ascend_tree / BACKUP_DIR_NAME).exists()
 
@@ -81,14 +82,14 @@ def test_revert_after_a_local_edit_is_refused_naming_the_hunk(vllm_ascend_tree: 
     target, patches = find_target(vllm_ascend_tree, installed=False), series_files(series)
     apply(target, patches, dry_run=False)
     init = vllm_ascend_tree / INIT
-    init.write_text(init.read_text().replace("    register()\n", "    register()  # edited\n"))
+    init.write_text(init.read_text().replace(f"{REGISTER_CALL}\n", f"{REGISTER_CALL}  # edited\n"))
     with pytest.raises(ApplyError, match=f"conflicting hunk in {INIT}"):
         revert(target, patches, dry_run=False)
 
 
 def test_an_installed_vllm_ascend_gets_only_the_package_part(vllm_ascend_tree: Path,
                                                              series: Path) -> None:
-    (vllm_ascend_tree / "vllm_ascend-0.18.0.dist-info").mkdir()
+    (vllm_ascend_tree / DIST_INFO).mkdir()
     target = find_target(vllm_ascend_tree, installed=False)
     assert target.installed
     apply(target, series_files(series), dry_run=False)
@@ -98,7 +99,7 @@ def test_an_installed_vllm_ascend_gets_only_the_package_part(vllm_ascend_tree: P
 
 def test_the_plugin_installed_in_the_same_place_is_named(vllm_ascend_tree: Path,
                                                          series: Path) -> None:
-    (vllm_ascend_tree / "vllm_ascend-0.18.0.dist-info").mkdir()
+    (vllm_ascend_tree / DIST_INFO).mkdir()
     (vllm_ascend_tree / "vllm_ascend/core/balance_example.py").write_text("# plugin's copy\n")
     with pytest.raises(ApplyError, match="pip uninstall vllm-ascend-balance-scheduling"):
         apply(Target(vllm_ascend_tree, True), series_files(series), dry_run=False)
@@ -121,3 +122,11 @@ def test_cli_status_apply_status(vllm_ascend_tree: Path, series: Path) -> None:
     (vllm_ascend_tree / INIT).write_text("# replaced\n")
     failed = run("revert")
     assert failed.returncode == 1 and "cannot be reverted cleanly" in failed.stderr
+
+
+def test_the_default_series_is_the_installed_releases(vllm_ascend_tree: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert default_series() == REPO_ROOT / PROJECT.output
+    assert main(["status", "--target", str(vllm_ascend_tree)]) == 0
+    # The project's real series: its __init__ hunk applies to the pristine file, the rest adds.
+    assert capsys.readouterr().out.strip().endswith("[checkout]: not applied")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,37 +13,126 @@ from pathlib import Path
 
 import pytest
 from export_patches import (
+    PATCHES_DIR,
     REPO_ROOT,
     ExportError,
     Manifest,
     PristineSource,
     check,
+    default_manifest,
     generate,
     load_manifest,
+    manifest_versions,
     resolve,
 )
+from release_manifest import (
+    INIT,
+    INIT_EDITS,
+    PROJECT,
+    WIRING_SOURCE,
+    WIRING_TARGET,
+    wiring_target,
+)
+
+PROJECT_MANIFESTS = sorted(PATCHES_DIR.glob("*.toml"))
+# vllm-ascend's own (copying) module: strings naming it must survive the rewrites untouched.
+VLLM_ASCEND_MODULE = b'"vllm_ascend.patch.platform.patch_balance_schedule"'
 
 
-def test_the_project_manifest_classifies_every_file_in_its_scope() -> None:
+def _module_of(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def _imports_wiring(test_file: bytes, wiring_target: str) -> bool:
+    """The file binds the name ``patch_balance_schedule`` to the module at wiring_target."""
+    package, _, name = _module_of(wiring_target).rpartition(".")
+    for node in ast.walk(ast.parse(test_file)):
+        if isinstance(node, ast.ImportFrom) and node.module == package:
+            if any(a.name == name and (a.asname or a.name) == "patch_balance_schedule"
+                   for a in node.names):
+                return True
+    return False
+
+
+def test_there_is_a_manifest_for_the_installed_release() -> None:
+    assert default_manifest() == PROJECT.path
+    assert len(PROJECT_MANIFESTS) >= 2  # one per release line
+
+
+@pytest.mark.parametrize("path", PROJECT_MANIFESTS, ids=lambda p: p.stem)
+def test_the_project_manifest_classifies_every_file_in_its_scope(path: Path) -> None:
     """A new file under vllm_ascend/ or tests/ must be exported or excluded explicitly."""
-    patches = resolve(load_manifest(), REPO_ROOT)
+    manifest = load_manifest(path)
+    patches = resolve(manifest, REPO_ROOT)
     targets = {path for patch in patches for path in patch.files}
     assert "vllm_ascend/core/balance_scheduler.py" in targets
-    assert "vllm_ascend/patch/platform/patch_balance_schedule.py" in targets
+    assert wiring_target(manifest) in targets
     assert not any(path.startswith("tests/ut/patches/") for path in targets)
+
+
+@pytest.mark.parametrize("path", PROJECT_MANIFESTS, ids=lambda p: p.stem)
+def test_the_project_tests_import_what_the_series_adds_and_keep_vllm_ascends_name(
+        path: Path) -> None:
+    """Rewritten tests import only modules the series exports (never vllm-ascend's copying
+    module unless the series replaces it), and strings naming that module stay as written."""
+    manifest = load_manifest(path)
+    patches = resolve(manifest, REPO_ROOT)
+    targets = {target for patch in patches for target in patch.files}
+    exported_modules = {_module_of(t) for t in targets}
+    stand_ins = 0
+    for patch in patches:
+        for target, content in patch.files.items():
+            if not target.startswith("tests/"):
+                continue
+            source = (REPO_ROOT / patch.sources[target]).read_bytes()
+            assert content.count(VLLM_ASCEND_MODULE) == source.count(VLLM_ASCEND_MODULE), target
+            stand_ins += content.count(VLLM_ASCEND_MODULE)
+            for node in ast.walk(ast.parse(content)):
+                if isinstance(node, ast.ImportFrom) and node.module == "vllm_ascend.patch.platform":
+                    for alias in node.names:
+                        assert f"{node.module}.{alias.name}" in exported_modules, (target, alias.name)
+    assert stand_ins > 0  # the stand-in of test_engine_route.py is among them
+    route = next(patch.files["tests/ut/core/test_engine_route.py"] for patch in patches
+                 if "tests/ut/core/test_engine_route.py" in patch.files)
+    assert _imports_wiring(route, wiring_target(manifest))
 
 
 def test_files_map_to_vllm_ascend_paths_and_only_tests_are_rewritten(
         repo: Path, manifest: Manifest) -> None:
     feature, tests = resolve(manifest, repo)
-    assert sorted(feature.files) == ["vllm_ascend/core/balance_example.py",
-                                     "vllm_ascend/patch/platform/patch_balance_schedule.py"]
+    assert sorted(feature.files) == sorted(["vllm_ascend/core/balance_example.py", WIRING_TARGET])
     # Sources are exported byte for byte: the docstring keeps the pip-install name.
-    assert b"vllm_ascend_balance.patch_balance_schedule" in \
-        feature.files["vllm_ascend/patch/platform/patch_balance_schedule.py"]
+    assert b"vllm_ascend_balance.patch_balance_schedule" in feature.files[WIRING_TARGET]
     assert sorted(tests.files) == ["tests/ut/core/helper.py", "tests/ut/core/test_example.py"]
-    assert tests.files["tests/ut/core/test_example.py"].startswith(
-        b"from vllm_ascend.patch.platform import patch_balance_schedule\n")
+    rewritten = tests.files["tests/ut/core/test_example.py"]
+    assert b"vllm_ascend_balance" not in rewritten
+    assert _imports_wiring(rewritten, WIRING_TARGET)
+
+
+def test_a_form_the_rewrites_miss_is_refused_by_file_and_line(repo: Path,
+                                                              manifest: Manifest) -> None:
+    feature, tests = manifest.patches
+    no_rewrites = dataclasses.replace(tests, rewrites=(), forbid=("vllm_ascend_balance",))
+    bare = dataclasses.replace(manifest, patches=(feature, no_rewrites))
+    with pytest.raises(ExportError, match=r"tests/ut/engine/test_example.py:1 still names "
+                                          r"'vllm_ascend_balance'"):
+        resolve(bare, repo)
+    # Whole identifiers only: a longer name that contains it is not a use of the package.
+    (repo / "tests/ut/engine/test_example.py").write_text("KEY = '_vllm_ascend_balance_x'\n")
+    resolve(bare, repo)
+
+
+def test_the_default_manifest_is_the_installed_releases(tmp_path: Path) -> None:
+    assert manifest_versions()[default_manifest()] == (PROJECT.distribution, PROJECT.version)
+    other = tmp_path / "vllm-ascend-v0.0.1.toml"
+    other.write_text(PROJECT.path.read_text().replace(
+        f'version = "{PROJECT.version}"', 'version = "0.0.1"', 1))
+    with pytest.raises(ExportError, match=r"no manifest matches the installed release "
+                                          rf"\(vllm-ascend {PROJECT.version}\)(.|\n)*"
+                                          r"vllm-ascend-v0.0.1.toml \(vllm-ascend 0.0.1\)"):
+        default_manifest(tmp_path)
+    shutil.copy(PROJECT.path, tmp_path / PROJECT.path.name)
+    assert default_manifest(tmp_path) == tmp_path / PROJECT.path.name
 
 
 def test_an_unclassified_file_is_refused_by_name(repo: Path, manifest: Manifest) -> None:
@@ -67,10 +159,19 @@ def test_the_series_is_reproducible_and_git_formatted(
     assert text.startswith("From 0000000000000000000000000000000000000000 ")
     assert "Subject: [PATCH 1/2] [Feature] Example" in text
     assert "From: Test Author <test@example.invalid>" in text
-    assert "\n-    import vllm_ascend.patch.platform.patch_balance_schedule  # noqa\n" in text
-    assert "\n+    register()\n" in text
+    # The manifest's edits of __init__: each removed line as "-", each added line as "+".
+    added = removed = 0
+    for edit in INIT_EDITS:
+        old, new = edit.find.splitlines(), edit.replace.splitlines()
+        for line in (line for line in old if line not in new):
+            assert f"\n-{line}\n" in text
+            removed += 1
+        for line in (line for line in new if line not in old):
+            assert f"\n+{line}\n" in text
+            added += 1
+    assert added >= 2  # at least the import and the register() call
     # The blob ids are git's, so `git am -3` on a real checkout can fall back to a 3-way merge.
-    pristine_init = pristine.read("vllm_ascend/patch/platform/__init__.py")
+    pristine_init = pristine.read(INIT)
     assert pristine_init is not None
     blob = hashlib.sha1(b"blob %d\0" % len(pristine_init) + pristine_init).hexdigest()
     assert f"index {blob}.." in text
@@ -94,8 +195,13 @@ def test_check_reports_a_series_that_does_not_apply(repo: Path, manifest: Manife
                                                     pristine: PristineSource,
                                                     series: Path) -> None:
     patch = series / "0001-Feature-Example.patch"
-    patch.write_text(patch.read_text().replace(
-        " if envs.VLLM_ASCEND_BALANCE_SCHEDULING:", " if envs.SOMETHING_ELSE:"))
+    text = patch.read_text()
+    # A context line of the __init__ hunk: the committed series no longer matches pristine.
+    start = text.index(f"diff --git a/{INIT}")
+    hunk = text[start:]
+    context = next(line for line in hunk.splitlines()[5:] if line.startswith(" ") and line.strip())
+    patch.write_text(text[:start] + hunk.replace(f"\n{context}\n",
+                                                 f"\n {context.strip()}  # changed\n", 1))
     problems = check(manifest, repo, pristine)
     assert any("does not apply" in p and "vllm_ascend/patch/platform/__init__.py" in p
                for p in problems), problems
@@ -126,16 +232,16 @@ def test_installed_pristine_source_ignores_files_other_distributions_added(
     # vllm-ascend's, so the pristine release has no such file.
     assert pristine.read("vllm_ascend/core/balance_scheduler.py") is None
     assert pristine.read("tests/ut/conftest.py") is None
-    content = pristine.read("vllm_ascend/patch/platform/patch_balance_schedule.py")
+    content = pristine.read(WIRING_SOURCE)
     assert content is not None and b"class BalanceScheduler(Scheduler)" in content
 
 
 def test_a_wheel_is_read_when_given(tmp_path: Path) -> None:
-    wheel = tmp_path / "vllm_ascend-0.18.0-py3-none-any.whl"
+    wheel = tmp_path / f"vllm_ascend-{PROJECT.version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("vllm_ascend/patch/platform/__init__.py", "# from the wheel\n")
-    source = PristineSource(load_manifest(), wheel=wheel)
-    assert source.read("vllm_ascend/patch/platform/__init__.py") == b"# from the wheel\n"
+        archive.writestr(INIT, "# from the wheel\n")
+    source = PristineSource(PROJECT, wheel=wheel)
+    assert source.read(INIT) == b"# from the wheel\n"
     assert source.read("vllm_ascend/core/absent.py") is None
     assert source.origin == str(wheel)
 

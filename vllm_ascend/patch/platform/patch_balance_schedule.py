@@ -3,7 +3,9 @@
 Installed with pip, this module is ``vllm_ascend_balance.patch_balance_schedule`` and its
 ``register`` is a ``vllm.general_plugins`` entry point: vLLM calls it in every process before it
 resolves the scheduler class (``EngineCore.__init__`` loads general plugins first). In the
-fork-style tree it sits at vllm-ascend's path, replacing vllm-ascend's copying module.
+patch series it sits at vllm-ascend's path on the v0.18.0 line, replacing the copying module, and
+beside it as ``patch_zero_copy_balance.py`` on the v0.23.0 line, where vllm-ascend's module also
+carries a PD prefill-node preemption guard and stays.
 
 Balance scheduling is switched on by ``VLLM_ASCEND_BALANCE_SCHEDULING=1`` or by
 ``additional_config={"enable_balance_scheduling": true}`` (the config wins when it names the key;
