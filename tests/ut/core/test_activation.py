@@ -91,7 +91,6 @@ def env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
 
 
-@pytest.mark.parametrize("env", ["unset", "0"])
 def _class_built_on_a_copy() -> type:
     """Stand-in for vllm-ascend 0.23's ProfilingChunkScheduler: a scheduler class in another
     module whose base is the copying module's scheduler (defined under that module's name)."""
@@ -110,6 +109,7 @@ def test_a_scheduler_cls_built_on_the_copy_is_refused(registered: None, tiny_mod
         config.scheduler_config.get_scheduler_cls()
 
 
+@pytest.mark.parametrize("env", ["unset", "0"])
 def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_model: Path,
                                        env: str) -> None:
     if env == "unset":
