@@ -171,17 +171,10 @@ def _launch(config: Any, output: Path) -> Any:
             executor_class=UniProcExecutor, log_stats=False)
 
 
-def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
-        engine_hook: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Path,
-        tiny_moe_model: Path) -> None:
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the children's hook line is at INFO
-    moe = make_vllm_config(tiny_moe_model, dp_size=2)
-    dense = make_vllm_config(tiny_model, dp_size=2)
-    assert moe.model_config.is_moe and not dense.model_config.is_moe
-    # Both children start before either is awaited: the two vLLM imports overlap.
-    managers = {"moe": _launch(moe, tmp_path / "moe.log"),
-                "dense": _launch(dense, tmp_path / "dense.log")}
+def _launch_all(configs: dict[str, Any], tmp_path: Path) -> dict[str, str]:
+    """Launch one engine core per config, all before any is awaited (their vLLM imports overlap),
+    and return each child's log once it stopped where expected."""
+    managers = {name: _launch(config, tmp_path / f"{name}.log") for name, config in configs.items()}
     logs = {}
     for name, manager in managers.items():
         (process,) = manager.processes
@@ -192,6 +185,18 @@ def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
         assert process.exitcode == 1, logs[name]
         assert "EngineCore failed to start" in logs[name], logs[name]
         assert "Protocol not supported" in logs[name], logs[name]
+    return logs
+
+
+def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
+        engine_hook: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Path,
+        tiny_moe_model: Path) -> None:
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the children's hook line is at INFO
+    moe = make_vllm_config(tiny_moe_model, dp_size=2)
+    dense = make_vllm_config(tiny_model, dp_size=2)
+    assert moe.model_config.is_moe and not dense.model_config.is_moe
+    logs = _launch_all({"moe": moe, "dense": dense}, tmp_path)
     assert HOOK_LOG in logs["moe"], logs["moe"]
     # Independent of that log line: the construction traceback passes through the hook class.
     assert "vllm_ascend/core/balance_engine_core.py" in logs["moe"]
@@ -213,15 +218,7 @@ def test_spawned_engine_cores_follow_the_config_switch_alone(
         switched_on = make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
         silent = make_vllm_config(tiny_moe_model, dp_size=2)
         assert patch_balance_engine.is_engine_hook_installed()
-        managers = {"on": _launch(switched_on, tmp_path / "on.log"),
-                    "silent": _launch(silent, tmp_path / "silent.log")}
-        logs = {}
-        for name, manager in managers.items():
-            (process,) = manager.processes
-            process.join(timeout=240)
-            assert process.exitcode == 1, f"{name} engine core did not stop at the handshake"
-            logs[name] = (tmp_path / f"{name}.log").read_text()
-            assert "Protocol not supported" in logs[name], logs[name]
+        logs = _launch_all({"on": switched_on, "silent": silent}, tmp_path)
     finally:
         patch_balance_schedule.unregister()
     assert HOOK_LOG in logs["on"], logs["on"]
