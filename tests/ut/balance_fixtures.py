@@ -34,3 +34,9 @@ def balance_on(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def balance_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "0")
+
+
+@pytest.fixture
+def balance_env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither "1" nor "0": only a config's ``additional_config`` can switch it on."""
+    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)

@@ -25,7 +25,13 @@ import pytest  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))  # offline_vllm: tiny model, configs, requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # balance_fixtures, whatever import mode
-from balance_fixtures import balance_off, balance_on, tiny_model, tiny_moe_model  # noqa: E402,F401
+from balance_fixtures import (  # noqa: E402,F401
+    balance_env_unset,
+    balance_off,
+    balance_on,
+    tiny_model,
+    tiny_moe_model,
+)
 # Where each working-tree source directory is installed (see setup.py's package_dir).
 INSTALLED_PACKAGES = {
     "vllm_ascend/core": "vllm_ascend.core",

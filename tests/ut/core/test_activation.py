@@ -86,11 +86,6 @@ ON = {"enable_balance_scheduling": True}
 OFF = {"enable_balance_scheduling": False}
 
 
-@pytest.fixture
-def env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
-
-
 def _class_built_on_a_copy() -> type:
     """Stand-in for vllm-ascend 0.23's ProfilingChunkScheduler: a scheduler class in another
     module whose base is the copying module's scheduler (defined under that module's name)."""
@@ -130,7 +125,7 @@ def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_mod
 
 @pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
                                                          (True, BalanceAsyncScheduler)])
-def test_config_switch_alone_activates_at_config_time(env_unset: None, tiny_model: Path,
+def test_config_switch_alone_activates_at_config_time(balance_env_unset: None, tiny_model: Path,
                                                       async_scheduling: bool,
                                                       expected: type) -> None:
     patch_balance_schedule.register()
@@ -146,7 +141,7 @@ def test_config_switch_off_beats_the_env_flag(registered: None, tiny_model: Path
     assert config.scheduler_config.get_scheduler_cls() is AsyncScheduler
 
 
-def test_the_decision_travels_with_the_config(env_unset: None, tiny_model: Path) -> None:
+def test_the_decision_travels_with_the_config(balance_env_unset: None, tiny_model: Path) -> None:
     """Engine-core processes get the config pickled and no env switch: the decision made in the
     front-end comes along, and vLLM's config hash ignores it."""
     patch_balance_schedule.register()
@@ -157,7 +152,7 @@ def test_the_decision_travels_with_the_config(env_unset: None, tiny_model: Path)
     assert on.scheduler_config.compute_hash() == plain.scheduler_config.compute_hash()
 
 
-def test_bad_config_value_fails_at_config_time(env_unset: None, tiny_model: Path) -> None:
+def test_bad_config_value_fails_at_config_time(balance_env_unset: None, tiny_model: Path) -> None:
     patch_balance_schedule.register()
     with pytest.raises(ValueError, match="enable_balance_scheduling.*true and false"):
         make_vllm_config(tiny_model, dp_size=2,

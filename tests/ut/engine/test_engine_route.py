@@ -63,8 +63,7 @@ def test_plugin_leaves_the_launch_alone_with_both_switches_off(
 
 
 def test_the_config_switch_installs_the_hook_when_the_config_is_built(
-        monkeypatch: pytest.MonkeyPatch, tiny_moe_model: Path) -> None:
-    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+        balance_env_unset: None, tiny_moe_model: Path) -> None:
     patch_balance_schedule.register()
     try:
         assert not patch_balance_engine.is_engine_hook_installed()
@@ -207,10 +206,10 @@ def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
 
 
 def test_spawned_engine_cores_follow_the_config_switch_alone(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_moe_model: Path) -> None:
+        balance_env_unset: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        tiny_moe_model: Path) -> None:
     """No env flag anywhere: the config switch installs the route in the front-end, and each
     engine-core child decides from the config it receives (on: hook class; silent: stock)."""
-    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
     patch_balance_schedule.register()

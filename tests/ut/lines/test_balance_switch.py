@@ -39,11 +39,6 @@ def config(tiny_model: Path) -> Any:
     return make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2)
 
 
-@pytest.fixture
-def env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(BALANCE_SCHEDULING_ENV, raising=False)
-
-
 # ---- which switch decides -------------------------------------------------------------------
 
 @pytest.mark.parametrize("env, config_value, expected", [
@@ -83,7 +78,7 @@ def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("value", ["true", "false", 1, 0, None, "1"])
-def test_non_boolean_config_value_is_a_clear_error(env_unset: None, config: Any,
+def test_non_boolean_config_value_is_a_clear_error(balance_env_unset: None, config: Any,
                                                    value: Any) -> None:
     # vllm-ascend reads bool(value): the string "false" would silently turn it on there.
     with_switch(config, value)
@@ -104,7 +99,7 @@ def logged(spy: Any) -> str:
     return "\n".join(call.args[0] % call.args[1:] for call in spy.call_args_list)
 
 
-def test_log_names_the_config_when_it_decides(env_unset: None, config: Any,
+def test_log_names_the_config_when_it_decides(balance_env_unset: None, config: Any,
                                               mocker: MockerFixture) -> None:
     info = mocker.spy(balance_config.logger, "info_once")
     balance_scheduling_enabled(with_switch(config, True))
@@ -128,7 +123,7 @@ def test_conflict_warns_that_the_env_is_ignored(monkeypatch: pytest.MonkeyPatch,
     assert f"{BALANCE_SCHEDULING_ENV}=1 is ignored" in logged(warning)
 
 
-def test_nothing_is_logged_when_no_switch_is_set(env_unset: None, config: Any,
+def test_nothing_is_logged_when_no_switch_is_set(balance_env_unset: None, config: Any,
                                                  mocker: MockerFixture) -> None:
     info = mocker.spy(balance_config.logger, "info_once")
     warning = mocker.spy(balance_config.logger, "warning_once")
@@ -138,7 +133,7 @@ def test_nothing_is_logged_when_no_switch_is_set(env_unset: None, config: Any,
 
 # ---- the switch reaches a real scheduler ------------------------------------------------------
 
-def test_config_switch_alone_turns_the_gate_on(env_unset: None, config: Any) -> None:
+def test_config_switch_alone_turns_the_gate_on(balance_env_unset: None, config: Any) -> None:
     scheduler = build_scheduler(BalanceScheduler, with_switch(config, True))
     assert scheduler.balance_enabled
     for index in range(3):
@@ -161,14 +156,14 @@ def test_config_switch_off_overrides_the_env_in_the_scheduler(
     assert [r.req_id for r in step(scheduler)[0].scheduled_new_reqs] == ["r0"]
 
 
-def test_positional_construction_reads_the_config_switch(env_unset: None, config: Any) -> None:
+def test_positional_construction_reads_the_config_switch(balance_env_unset: None, config: Any) -> None:
     keyword_built = build_scheduler(BalanceScheduler, with_switch(config, True))
     positional = BalanceScheduler(config, keyword_built.kv_cache_config,
                                   keyword_built.structured_output_manager, 16)
     assert positional.balance_enabled
 
 
-def test_pd_refusal_names_both_switches(env_unset: None, tiny_model: Path) -> None:
+def test_pd_refusal_names_both_switches(balance_env_unset: None, tiny_model: Path) -> None:
     config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
         kv_connector="ExampleConnector", kv_role="kv_producer"))
     with pytest.raises(ValueError, match=r"supports only PD-mixed.*kv_producer") as error:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
-from export_patches import Manifest, PatchSpec, load_manifest
+from export_patches import Manifest, PatchSpec, _matches, load_manifest
 
 # The project's manifest for the installed vllm-ascend release (the tools' default too).
 PROJECT = load_manifest()
@@ -24,8 +23,7 @@ def wiring_target(manifest: Manifest) -> str:
     """Where the manifest exports this repository's wiring module in vllm-ascend."""
     for spec in manifest.patches:
         for rule in spec.files:
-            if rule.source_glob == WIRING_SOURCE or (
-                    "*" in rule.source_glob and Path(WIRING_SOURCE).match(rule.source_glob)):
+            if _matches(WIRING_SOURCE, rule.source_glob):  # the tool's own glob semantics
                 return rule.target_for(WIRING_SOURCE)
     raise AssertionError(f"{manifest.path.name} does not export {WIRING_SOURCE}")
 

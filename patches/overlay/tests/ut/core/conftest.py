@@ -16,4 +16,10 @@ os.environ.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)
 # offline_vllm.py and balance_fixtures.py sit beside this file; not every import mode puts this
 # directory on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from balance_fixtures import balance_off, balance_on, tiny_model, tiny_moe_model  # noqa: E402,F401
+from balance_fixtures import (  # noqa: E402,F401
+    balance_env_unset,
+    balance_off,
+    balance_on,
+    tiny_model,
+    tiny_moe_model,
+)
