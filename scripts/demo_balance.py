@@ -20,20 +20,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_PLUGINS", "ascend_balance_scheduling")
 
 CAP = 4
 
 
 def run(model_dir: Path, balance: bool, steps: int) -> list[str]:
-    os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1" if balance else "0"
-    from offline_vllm import build_scheduler, make_request, make_vllm_config, step
+    from offline_vllm import build_scheduler, emulate_gather, make_request, make_vllm_config, step
+    from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_ascend.core.balance_scheduler import BalanceScheduler
 
     config = make_vllm_config(model_dir, max_num_seqs=CAP, dp_size=2)
-    ranks = [build_scheduler(BalanceScheduler, config) for _ in range(2)]
+    ranks = [build_scheduler(BalanceScheduler if balance else Scheduler, config) for _ in range(2)]
     # Rank 0: a full batch of long requests. Rank 1: short requests arriving continuously.
     for i in range(CAP):
         ranks[0].add_request(make_request(f"long{i}", num_prompt_tokens=32, max_tokens=12))
@@ -47,11 +46,10 @@ def run(model_dir: Path, balance: bool, steps: int) -> list[str]:
             output, _ = step(scheduler)
             admitted.append([r.req_id for r in output.scheduled_new_reqs])
         counts = [len(s.running) for s in ranks]
-        for scheduler in ranks:  # what balance_gather leaves on every rank
-            for slot, count in zip(scheduler.balance_queue, counts):
-                slot.fill_(count)
+        if balance:
+            emulate_gather(ranks)
         prefill = any(admitted)
-        gate = "closed" if ranks[1].balance_gate_closed() else "open"
+        gate = "closed" if balance and ranks[1].balance_gate_closed() else "open"
         lines.append(f"{index:>4}  {counts[0]:>3} {counts[1]:>3}   {gate:<6}  "
                      f"{'PREFILL' if prefill else '       '}  "
                      f"r0+{','.join(admitted[0]) or '-':<22} r1+{','.join(admitted[1]) or '-'}")

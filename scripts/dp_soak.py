@@ -5,7 +5,7 @@ Starts ``--dp`` OS processes joined in a real ``torch.distributed`` gloo group o
 Each runs a real vLLM balance scheduler (``VLLM_ASCEND_BALANCE_SCHEDULING=1``, built through the
 plugin) inside a ``BalanceDPEngineCoreProc`` driven step by step like
 ``DPEngineCoreProc.run_busy_loop`` (see ``soak/rank.py``); the model, a grammar backend and a
-KV transfer are CPU fakes (``soak/fakes.py``).
+KV transfer are CPU fakes (``soak/fakes.py``, ``fake_remote_kv.py``).
 
     python scripts/dp_soak.py --dp 4 --requests 400 --scenario all --timeout 300
 
@@ -44,8 +44,8 @@ def _configs(model_dir: Path, dp: int) -> dict[str, Any]:
     from offline_vllm import make_vllm_config
     from vllm.config import KVTransferConfig
 
-    kv = KVTransferConfig(kv_connector="SoakRemoteKVConnector",
-                          kv_connector_module_path="soak.fakes", kv_role="kv_both")
+    kv = KVTransferConfig(kv_connector="FakeRemoteKVConnector", kv_connector_module_path="fake_remote_kv",
+                          kv_role="kv_both", kv_connector_extra_config={"is_async": True})
     common = {"max_num_seqs": CAP, "max_num_batched_tokens": 256, "dp_size": dp}
     return {"plain": make_vllm_config(model_dir, **common),
             "kv": make_vllm_config(model_dir, kv_transfer_config=kv, **common)}

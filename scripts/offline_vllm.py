@@ -1,7 +1,7 @@
 """Builds real vLLM configs, schedulers and requests on CPU, offline.
 
-Shared by the unit tests, the demo, the simulator, the soak and the benchmarks (each puts this
-directory on ``sys.path``). The model is a tiny directory generated on disk (a Llama or Mixtral
+Shared by the unit tests (``pytest.ini`` puts ``scripts`` on the path), the demo, the simulator,
+the soak and the benchmarks (scripts beside it import it as their own directory's module). The model is a tiny directory generated on disk (a Llama or Mixtral
 ``config.json`` and a word-level tokenizer), so nothing is ever loaded from a model hub. Helpers
 return real vLLM objects; callers drive them with fake model outputs (``ModelRunnerOutput``), as
 vLLM's own scheduler tests do.
@@ -15,7 +15,7 @@ import json
 import sys
 import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,17 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                              pooler_output=[])
+
+
+def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:
+    """What ``balance_gather`` leaves on every rank: ``counts`` (by default each scheduler's
+    ``len(running)``, in rank order) in every scheduler's ``balance_queue``, written in place."""
+    if counts is None:
+        counts = [len(scheduler.running) for scheduler in schedulers]
+    for scheduler in schedulers:
+        assert len(counts) == len(scheduler.balance_queue), (counts, len(scheduler.balance_queue))
+        for slot, count in zip(scheduler.balance_queue, counts):
+            slot.fill_(count)
 
 
 def step(scheduler: Any) -> tuple[Any, Any]:

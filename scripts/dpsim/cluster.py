@@ -1,7 +1,7 @@
 """DP ranks as real vLLM schedulers, stepped in lockstep in one process.
 
-Each rank is a ``BalanceScheduler`` (balance on or off through ``VLLM_ASCEND_BALANCE_SCHEDULING``,
-read at construction). A lockstep step schedules every rank, lets the caller price it, then feeds
+Each rank is a real vLLM scheduler: ``BalanceScheduler`` with balance on (or the simulator's
+``CapMinusOneScheduler`` for the reverted ``cap-1`` gate rule), vLLM's own ``Scheduler`` with it off. A lockstep step schedules every rank, lets the caller price it, then feeds
 each rank a fake model output (one token per decoding request, none mid-prefill) and emulates the
 all-gather of ``balance_gather``: every rank's ``len(running)`` lands in every rank's
 ``balance_queue``, exactly what the collective leaves. A rank with nothing to run still takes
@@ -11,20 +11,17 @@ part in the step (MoE DP runs a dummy batch), which the cost model prices as the
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offline_vllm import build_scheduler, fake_model_output, make_vllm_config, write_tiny_model
+from offline_vllm import build_scheduler, emulate_gather, fake_model_output, make_vllm_config, write_tiny_model
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from dpsim.workload import RequestShape
-from vllm_ascend.core.balance_config import BALANCE_SCHEDULING_ENV
-from vllm_ascend.core.balance_scheduler import BalanceScheduler, GateRule
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
 
 EOS_TOKEN_ID = 1
 KV_BLOCK_SIZE = 16
@@ -53,17 +50,22 @@ def sim_request(request_id: str, shape: RequestShape, arrival_time: float) -> Re
                    pooling_params=None, arrival_time=arrival_time, block_hasher=None)
 
 
-@contextmanager
-def _balance_flag(enabled: bool) -> Iterator[None]:
-    previous = os.environ.get(BALANCE_SCHEDULING_ENV)
-    os.environ[BALANCE_SCHEDULING_ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(BALANCE_SCHEDULING_ENV, None)
-        else:
-            os.environ[BALANCE_SCHEDULING_ENV] = previous
+class CapMinusOneScheduler(BalanceScheduler):
+    """The briefly shipped, reverted gate rule (vllm-ascend PR #7611 -> #8674): closed when some rank is within
+    one request of its cap. Kept here, not in the product, to measure the latency/throughput trade-off."""
+
+    @property
+    def balance_gate_threshold(self) -> int:
+        # Never 0: a threshold of 0 would freeze admission on an empty cluster forever.
+        return max(self.max_num_running_reqs - 1, 1)
+
+
+GATE_RULES: dict[str, type] = {"cap": BalanceScheduler, "cap-1": CapMinusOneScheduler}
+
+
+def scheduler_class(balance: bool, gate: str) -> type:
+    """The one place that picks each rank's class: the class is the balance decision."""
+    return GATE_RULES[gate] if balance else Scheduler
 
 
 @dataclass
@@ -78,19 +80,16 @@ class RankWork:
 class LockstepCluster:
     def __init__(self, model_dir: Path, *, dp_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, balance: bool,
-                 gate: GateRule) -> None:
+                 gate: str) -> None:
         # Enough KV blocks that no rank ever preempts: the effect studied is admission timing.
         blocks_per_request = -(-max_model_len // KV_BLOCK_SIZE) + 1
         config = make_vllm_config(
             model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, dp_size=dp_size,
             num_blocks=max_num_seqs * blocks_per_request + 1)
-        with _balance_flag(balance):
-            # One config object for all ranks: a scheduler only reads the DP size from it.
-            self.schedulers: list[Any] = [build_scheduler(BalanceScheduler, config)
-                                          for _ in range(dp_size)]
-        for scheduler in self.schedulers:
-            scheduler.balance_gate_rule = gate
+        # One config object for all ranks: a scheduler only reads the DP size from it.
+        self.schedulers: list[Any] = [build_scheduler(scheduler_class(balance, gate), config)
+                                      for _ in range(dp_size)]
         self.balance = balance
         self._outputs: list[Any] = []
 
@@ -106,10 +105,10 @@ class LockstepCluster:
         return any(s.has_unfinished_requests() for s in self.schedulers)
 
     def gate_closed(self) -> bool:
-        return self.schedulers[0].balance_gate_closed()
+        return self.balance and self.schedulers[0].balance_gate_closed()
 
     def gated_steps(self) -> int:
-        return sum(s.balance_gated_steps for s in self.schedulers)
+        return sum(s.balance_gated_steps for s in self.schedulers) if self.balance else 0
 
     def schedule(self) -> list[RankWork]:
         """First half of a lockstep step: every rank schedules."""
@@ -148,8 +147,5 @@ class LockstepCluster:
                         finished.append(out.request_id)
         self._outputs = []
         if self.balance:
-            counts = self.running()
-            for scheduler in self.schedulers:
-                for slot, count in zip(scheduler.balance_queue, counts):
-                    slot.fill_(count)
+            emulate_gather(self.schedulers)
         return produced, finished

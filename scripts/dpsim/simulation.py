@@ -19,7 +19,6 @@ from dpsim.metrics import RunRecorder, RunResult
 from dpsim.router import make_router
 from dpsim.settings import SimSettings
 from dpsim.workload import Client, sample_shapes
-from vllm_ascend.core.balance_scheduler import GateRule
 
 # Far more steps than any sane run needs: a stuck run fails instead of spinning forever.
 MAX_STEPS_PER_OUTPUT_TOKEN = 50
@@ -41,7 +40,7 @@ def run(settings: SimSettings, profile: CostProfile, balance: bool,
     cluster = LockstepCluster(
         model_dir, dp_size=settings.dp_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len, balance=balance, gate=GateRule(settings.gate))
+        max_model_len=settings.max_model_len, balance=balance, gate=settings.gate)
     # Same seed for both runs of a comparison: identical lengths and client jitter draws.
     shapes = sample_shapes(settings.num_requests, settings.prompt_tokens, settings.output_tokens,
                            settings.prompt_spread, settings.output_spread,

@@ -6,8 +6,8 @@ Everything else is vLLM's: the scheduler, the requests, the engine-core methods.
   reports remote-KV loads as finished after their delay; counts steps; checks the gate.
 * ``FakeGrammar`` / ``FakeGrammarBackend``: a JSON-mode request waits in WAITING_FOR_FSM until
   its grammar future resolves (after a planned number of steps), then accepts every token.
-* ``SoakRemoteKVConnector``: a scheduler-side KV connector (kv_role kv_both) that makes requests
-  marked ``do_remote_prefill`` wait in WAITING_FOR_REMOTE_KVS for a planned number of steps.
+The KV connector is the tests' ``fake_remote_kv`` (requests marked ``do_remote_prefill`` wait in
+WAITING_FOR_REMOTE_KVS until this executor reports their load finished, after a planned delay).
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 SAMPLED_TOKEN = 5
@@ -50,49 +46,6 @@ class FakeGrammarBackend:
         return torch.zeros((max_num_seqs, 4), dtype=torch.int32)
 
     def destroy(self) -> None:
-        pass
-
-
-class SoakRemoteKVConnector(KVConnectorBase_V1):
-    """Scheduler side only: remote prefill loads that the fake executor completes later."""
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.loading: set[str] = set()  # requests whose KV is being "received"
-        self.loaded: set[str] = set()
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or request.request_id in self.loaded:
-            return 0, False
-        # All prompt tokens but the last come from the (pretend) prefill instance.
-        return max(request.num_prompt_tokens - 1 - num_computed_tokens, 0), True
-
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
-            self.loading.add(request.request_id)
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
-        self.loading.discard(request.request_id)
-        return False, None
-
-    # Worker side: never used by the scheduler.
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
         pass
 
 

@@ -94,6 +94,7 @@ def make_engine_core(config: Any, scheduler: Any, executor: Any, dp_group: Any,
     core.last_counts = (0, 0)
     core.eep_scaling_state = None
     core._idle_state_callbacks = []
+    core.balance_gathers = 0
     # vLLM 0.23's two-phase pause protocol state (unused attributes on 0.18).
     core.pending_pause = False
     core.ignore_start_dp_wave = False
@@ -147,7 +148,7 @@ def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave],
     from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
 
     scheduler = build_scheduler(config.scheduler_config.get_scheduler_cls(), config)
-    if not (isinstance(scheduler, BalanceSchedulingMixin) and scheduler.balance_enabled):
+    if not isinstance(scheduler, BalanceSchedulingMixin):
         raise RuntimeError(f"plugin did not build a balance scheduler: {type(scheduler)}")
     scheduler.structured_output_manager.backend = FakeGrammarBackend()
     executor = FakeExecutor(scheduler)

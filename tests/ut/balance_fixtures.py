@@ -7,9 +7,25 @@ offline: the model is a tiny directory generated per session, nothing is fetched
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# vllm-ascend's copying module, whose name the pip plugin may bind to its wiring.
+COPYING_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
+
+
+def helper_process_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python subprocess of a test: it imports the same test helpers
+    (``offline_vllm``, ``balance_fixtures``...) from where this process found them."""
+    import offline_vllm
+
+    helpers = {str(Path(offline_vllm.__file__).parent), str(Path(__file__).parent)}
+    path = os.pathsep.join([*sorted(helpers), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +56,30 @@ def balance_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def balance_env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither "1" nor "0": only a config's ``additional_config`` can switch it on."""
     monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def vllm_restored() -> Iterator[None]:
+    """Every test leaves vLLM as it found it: the wrapped config methods, the engine-core route and the
+    DP engine class, the wiring's recorded vLLM function, and the copying module's name."""
+    import vllm.v1.engine.core as engine_core_module
+    from vllm.config import SchedulerConfig, VllmConfig
+
+    from vllm_ascend_balance import patch_balance_schedule as wiring
+
+    saved = [
+        (SchedulerConfig, "get_scheduler_cls", SchedulerConfig.__dict__["get_scheduler_cls"]),
+        (VllmConfig, "__post_init__", VllmConfig.__dict__["__post_init__"]),
+        (engine_core_module.EngineCoreProc, "run_engine_core",
+         engine_core_module.EngineCoreProc.__dict__["run_engine_core"]),
+        (engine_core_module, "DPEngineCoreProc", engine_core_module.DPEngineCoreProc),
+        (wiring, "_vllm_run_engine_core", wiring._vllm_run_engine_core),
+    ]
+    copying_module = sys.modules.get(COPYING_MODULE)
+    yield
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+    if copying_module is None:
+        sys.modules.pop(COPYING_MODULE, None)
+    else:
+        sys.modules[COPYING_MODULE] = copying_module

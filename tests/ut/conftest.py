@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 os.environ["VLLM_PLUGINS"] = "ascend_balance_scheduling"
@@ -22,16 +21,16 @@ os.environ.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)
 
 import pytest  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))  # offline_vllm: tiny model, configs, requests
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # balance_fixtures, whatever import mode
-from balance_fixtures import (  # noqa: E402,F401
+from balance_fixtures import (  # noqa: E402,F401  (pytest.ini's pythonpath has tests/ut)
     balance_env_unset,
     balance_off,
     balance_on,
     tiny_model,
     tiny_moe_model,
+    vllm_restored,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Where each working-tree source directory is installed (see setup.py's package_dir).
 INSTALLED_PACKAGES = {
     "vllm_ascend/core": "vllm_ascend.core",

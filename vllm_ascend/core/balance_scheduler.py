@@ -1,3 +1,19 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
 """Balance scheduling for data-parallel serving, as a mixin over the installed vLLM scheduler.
 
 Every DP rank of a MoE model steps in lockstep, so one rank's prefill stalls all of them. With
@@ -6,11 +22,13 @@ at the end of the previous step (``balance_gather``, called by the DP engine loo
 is at its cap (``max_num_seqs``), no rank admits new waiting requests; running requests are
 scheduled as usual. Admissions therefore happen together and decode stays steady.
 
-vllm-ascend implements this by copying vLLM's whole ``Scheduler.schedule()``. Here nothing is
-copied: the gate reaches the admission block through its existing guard,
-``self._pause_state == PauseState.UNPAUSED``. A gated step runs the inherited ``schedule()`` with
-the state transiently set to ``PAUSED_NEW`` (see ``balance_seam`` for why that is exactly "admit
-nothing new", and for the check that refuses classes where it is not).
+Nothing of vLLM's ``schedule()`` is copied: the gate reaches the admission block through its
+existing guard, ``self._pause_state == PauseState.UNPAUSED``. A gated step runs the inherited
+``schedule()`` with the state transiently set to ``PAUSED_NEW`` (``balance_seam`` says why that is
+exactly "admit nothing new", and refuses classes where it is not).
+
+The class is the decision: a balanced class always gates, vLLM's own classes never do. Which one
+a process builds is decided once, by the wiring (``patch_balance_schedule``).
 
 What code running *inside* a gated step observes: ``self._pause_state`` reads ``PAUSED_NEW`` (so
 e.g. ``get_num_unfinished_requests()`` called from a connector during ``schedule()`` counts only
@@ -20,40 +38,19 @@ pause requested during the step through ``set_pause_state`` is kept and wins whe
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
+from vllm.logger import logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_ascend.core.balance_config import (
-    BALANCE_SCHEDULING_ENV,
-    balance_scheduling_enabled,
-    check_balance_scheduling_supported,
-)
 from vllm_ascend.core.balance_seam import schedule_seam_problems
-from vllm_ascend.core.balance_upstream import copied_schedule_classes, genuine_vllm_scheduler
-
-# Under "vllm." so vLLM's logging configuration (handler, level, format) applies to it.
-logger = init_logger(f"vllm.{__name__}")
-
-
-class GateRule(str, enum.Enum):
-    """When the gate closes, relative to ``max_num_seqs`` (the cap).
-
-    ``CAP`` (upstream since vllm-ascend PR #8674): some rank is at its cap. ``CAP_MINUS_ONE``
-    (the briefly shipped, reverted rule): some rank is within one request of it; kept to measure
-    the latency/throughput trade-off.
-    """
-
-    CAP = "cap"
-    CAP_MINUS_ONE = "cap-1"
 
 
 class BalanceSchedulingMixin:
@@ -70,59 +67,54 @@ class BalanceSchedulingMixin:
     _pause_state: PauseState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        enabled = balance_scheduling_enabled(kwargs.get("vllm_config", args[0] if args else None))
-        if enabled:  # Before building anything: a class the gate cannot control is refused.
-            _refuse_unsound_scheduler_class(type(self))
+        _refuse_unsound_scheduler_class(type(self))  # before building anything
         super().__init__(*args, **kwargs)
-        self.balance_enabled: bool = enabled
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         # One int32 CPU tensor per DP rank, as upstream (callers index and all_gather into it),
         # each a view of one buffer so the per-step gate check is a single max(), whatever the
         # DP size. Write counts in place (all_gather does), never rebind the list's items.
         self._balance_counts = torch.zeros(dp_size, dtype=torch.int32)
         self.balance_queue: list[torch.Tensor] = list(self._balance_counts.split(1))
-        self.balance_gate_rule: GateRule = GateRule.CAP
-        self.balance_gated_steps: int = 0
+        self.balance_steps = 0
+        self.balance_gated_steps = 0
         self._balance_gate_active = False
         self._balance_pause_requested: PauseState | None = None
-        if not enabled:
-            return
-        check_balance_scheduling_supported(self.vllm_config)
         if dp_size == 1:
             logger.warning_once(
-                "%s=1 has no effect with data_parallel_size=1 (nothing to balance); the "
-                "scheduler runs as stock vLLM.", BALANCE_SCHEDULING_ENV)
+                "Balance scheduling has no effect with data_parallel_size=1 "
+                "(nothing to balance); the scheduler runs as stock vLLM."
+            )
         else:
             logger.info_once(
                 "Balance scheduling on: %s over %d DP ranks, cap max_num_seqs=%d.",
-                type(self).__qualname__, dp_size, self.max_num_running_reqs)
+                type(self).__qualname__,
+                dp_size,
+                self.max_num_running_reqs,
+            )
 
     @property
     def balance_gate_threshold(self) -> int:
-        """Running count at which a rank closes the gate for every rank."""
-        if self.balance_gate_rule is GateRule.CAP_MINUS_ONE:
-            # Never 0: a threshold of 0 would freeze admission on an empty cluster forever.
-            return max(self.max_num_running_reqs - 1, 1)
+        """Running count at which a rank closes the gate for every rank (upstream's rule since
+        vllm-ascend PR #8674: the cap itself)."""
         return self.max_num_running_reqs
 
     def balance_gather(self, dp_group: ProcessGroup) -> None:
         """All-gather every rank's ``len(self.running)`` into ``balance_queue``.
 
         Collective: every rank of ``dp_group`` must call it the same number of times (the DP
-        engine loop does, once per active step). No-op when balance is off or DP size is 1.
+        engine loop does, once per active step). No-op with DP size 1.
         """
-        if not self.balance_enabled or len(self.balance_queue) == 1:
+        if len(self.balance_queue) == 1:
             return
         local = torch.tensor([len(self.running)], dtype=torch.int32)
         dist.all_gather(self.balance_queue, local, group=dp_group)
 
     def balance_gate_closed(self) -> bool:
         """True when this step must admit no new request (some rank was at the threshold)."""
-        if not self.balance_enabled:
-            return False
         return int(self._balance_counts.max()) >= self.balance_gate_threshold
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self.balance_steps += 1
         # A real pause already does at least what the gate would: never override it.
         if self._pause_state != PauseState.UNPAUSED or not self.balance_gate_closed():
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -154,31 +146,17 @@ class BalanceSchedulingMixin:
 
 
 def _refuse_unsound_scheduler_class(scheduler_cls: type) -> None:
-    problems = [
-        f"{klass.__module__}.{klass.__qualname__} is vllm-ascend's copy of schedule(), "
-        "which this patch set replaces" for klass in copied_schedule_classes(scheduler_cls)]
-    problems += schedule_seam_problems(scheduler_cls, skip=(BalanceSchedulingMixin,))
+    problems = schedule_seam_problems(scheduler_cls, skip=(BalanceSchedulingMixin,))
     if problems:
         raise RuntimeError(
             f"Balance scheduling cannot gate {scheduler_cls.__qualname__}: its schedule() does "
             "not honour the pause-state seam the gate relies on:\n  - "
             + "\n  - ".join(problems)
-            + f"\nUse a scheduler class that does, or unset {BALANCE_SCHEDULING_ENV}.")
+            + "\nUse a scheduler class that does, or switch balance scheduling off."
+        )
 
 
-def _balanced_subclass(base: type) -> type:
-    attrs = {
-        "__module__": __name__,
-        "__qualname__": f"Balance{base.__qualname__}",
-        "__doc__": f"{base.__qualname__} with balance scheduling (see BalanceSchedulingMixin).",
-    }
-    return type(f"Balance{base.__name__}", (BalanceSchedulingMixin, base), attrs)
-
-
-_GenuineScheduler = genuine_vllm_scheduler()
-
-
-class BalanceScheduler(BalanceSchedulingMixin, _GenuineScheduler):  # type: ignore[misc,valid-type]
+class BalanceScheduler(BalanceSchedulingMixin, Scheduler):
     """vLLM's ``Scheduler`` with balance scheduling; constructor arguments exactly vLLM's."""
 
 
@@ -186,10 +164,7 @@ class BalanceAsyncScheduler(BalanceSchedulingMixin, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` (the default with async scheduling) with balance scheduling."""
 
 
-_BALANCED_CLASSES: dict[type, type] = {
-    _GenuineScheduler: BalanceScheduler,
-    AsyncScheduler: BalanceAsyncScheduler,
-}
+_BALANCED_CLASSES: dict[type, type] = {Scheduler: BalanceScheduler, AsyncScheduler: BalanceAsyncScheduler}
 
 
 def balance_scheduler_class(base: type) -> type:
@@ -197,5 +172,13 @@ def balance_scheduler_class(base: type) -> type:
     if issubclass(base, BalanceSchedulingMixin):
         return base
     if base not in _BALANCED_CLASSES:
-        _BALANCED_CLASSES[base] = _balanced_subclass(base)
+        _BALANCED_CLASSES[base] = type(
+            f"Balance{base.__name__}",
+            (BalanceSchedulingMixin, base),
+            {
+                "__module__": __name__,
+                "__qualname__": f"Balance{base.__qualname__}",
+                "__doc__": f"{base.__qualname__} with balance scheduling (BalanceSchedulingMixin).",
+            },
+        )
     return _BALANCED_CLASSES[base]

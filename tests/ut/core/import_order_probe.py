@@ -40,12 +40,10 @@ def main(order: str, switch: str, model_dir: str) -> None:
     if switch == "env":
         os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
     additional_config = {"enable_balance_scheduling": True} if switch == "config" else None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-    from offline_vllm import make_vllm_config
-
+    from offline_vllm import make_vllm_config  # PYTHONPATH from the test
     from vllm.v1.engine.core import EngineCoreProc
 
-    from vllm_ascend_balance import patch_balance_engine, patch_balance_schedule
+    from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
     vllm_launch = EngineCoreProc.__dict__["run_engine_core"].__func__
     copy_bound = None
@@ -54,9 +52,9 @@ def main(order: str, switch: str, model_dir: str) -> None:
         copy_bound = EngineCoreProc.__dict__["run_engine_core"].__module__
         # vLLM imports this lazily; here it is first imported while the global is rebound.
         import vllm.v1.core.sched.async_scheduler  # noqa: F401
-        patch_balance_schedule.register()
+        patch_balance_coexist.register()
     else:
-        patch_balance_schedule.register()
+        patch_balance_coexist.register()
         import_vllm_ascend_copy()
 
     import vllm.v1.core.sched.scheduler as scheduler_module
@@ -70,11 +68,11 @@ def main(order: str, switch: str, model_dir: str) -> None:
     copy_module = sys.modules[COPYING_MODULE]
     bound = EngineCoreProc.__dict__["run_engine_core"]  # vllm-ascend binds a plain function
     launch = bound.__func__ if isinstance(bound, staticmethod) else bound
-    upstream = patch_balance_engine._upstream_run_engine_core or launch
+    upstream = patch_balance_schedule._vllm_run_engine_core or launch
     report = {
         "copy_module_is_ours": copy_module is patch_balance_schedule,
         "copy_bound_before_register": copy_bound,
-        "launch_is_ours": EngineCoreProc.run_engine_core is patch_balance_engine.run_engine_core,
+        "launch_is_ours": EngineCoreProc.run_engine_core is patch_balance_schedule.run_engine_core,
         "upstream_module": upstream.__module__,
         # Rebuilt or not, the launch must end in vLLM's own code (same file, line, names).
         "upstream_is_vllm_code": (

@@ -17,23 +17,24 @@ import pickle
 import subprocess
 import sys
 from base64 import urlsafe_b64encode
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm.plugins
+from balance_fixtures import helper_process_env
 from offline_vllm import make_vllm_config
 from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCoreProc
 
-import vllm.plugins
 from vllm_ascend.core.balance_scheduler import (
     BalanceAsyncScheduler,
     BalanceScheduler,
     BalanceSchedulingMixin,
 )
-from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
-from vllm_ascend_balance import patch_balance_engine, patch_balance_schedule
+from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 DIST_NAME = "vllm-ascend-balance-scheduling"
 PLUGIN_NAME = "ascend_balance_scheduling"
@@ -41,31 +42,37 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture
-def registered(balance_on: None) -> Iterator[None]:
-    patch_balance_schedule.register()
-    yield
-    patch_balance_schedule.unregister()
+def registered(balance_on: None) -> None:
+    """The plugin's entry point has run (``vllm_restored`` undoes it after the test)."""
+    patch_balance_coexist.register()
 
 
-@pytest.fixture(autouse=True)
-def _always_unregistered() -> Iterator[None]:
-    yield
-    patch_balance_schedule.unregister()
+def wrapper_layers() -> list[str]:
+    """The balance wrappers around SchedulerConfig.get_scheduler_cls, outermost first."""
+    layers, layer = [], SchedulerConfig.__dict__["get_scheduler_cls"]
+    while layer is not None:
+        layers += [getattr(layer, "__balance_scheduling_wrapped__", "vllm")]
+        layer = getattr(layer, "__wrapped__", None)
+    return layers
 
 
-class CustomScheduler(genuine_vllm_scheduler()):  # type: ignore[misc]
+def route_installed() -> bool:
+    return EngineCoreProc.run_engine_core is patch_balance_schedule.run_engine_core
+
+
+class CustomScheduler(Scheduler):
     """A user's scheduler_cls: balance must apply to it too."""
 
 
 def test_entry_point_is_registered_for_vllm() -> None:
     points = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
-    assert points.get(PLUGIN_NAME) == "vllm_ascend_balance.patch_balance_schedule:register"
+    assert points.get(PLUGIN_NAME) == "vllm_ascend_balance.patch_balance_coexist:register"
 
 
 def test_vllm_loads_the_plugin(balance_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()
-    assert patch_balance_schedule.is_registered()
+    assert wrapper_layers() == ["_balanced_get_scheduler_cls", "_copy_free_get_scheduler_cls", "vllm"]
 
 
 @pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
@@ -74,6 +81,11 @@ def test_flag_on_resolves_the_balanced_class(registered: None, tiny_model: Path,
                                              async_scheduling: bool, expected: type) -> None:
     config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling)
     assert config.scheduler_config.get_scheduler_cls() is expected
+
+
+def test_a_configured_balanced_class_is_kept(registered: None, tiny_model: Path) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=BalanceAsyncScheduler)
+    assert config.scheduler_config.get_scheduler_cls() is BalanceAsyncScheduler
 
 
 def test_a_configured_scheduler_cls_is_balanced_too(registered: None, tiny_model: Path) -> None:
@@ -90,7 +102,7 @@ def _class_built_on_a_copy() -> type:
     """Stand-in for vllm-ascend 0.23's ProfilingChunkScheduler: a scheduler class in another
     module whose base is the copying module's scheduler (defined under that module's name)."""
     namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule",
-                                 "Base": genuine_vllm_scheduler()}
+                                 "Base": Scheduler}
     exec("class BalanceScheduler(Base):\n    def schedule(self, *a, **k):\n"
          "        raise AssertionError('copied schedule() ran')", namespace)
     return type("ProfilingChunkScheduler", (namespace["BalanceScheduler"],),
@@ -111,16 +123,16 @@ def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_mod
         monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
     else:
         monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", env)
-    patch_balance_schedule.register()
+    patch_balance_coexist.register()
     # The config-time wrappers are there (the config may still turn it on)...
-    assert patch_balance_schedule.is_registered()
+    assert wrapper_layers()[0] == "_balanced_get_scheduler_cls"
     # ...but nothing else: no engine route, vLLM's classes, vllm-ascend's module name free.
-    assert not patch_balance_engine.is_engine_hook_installed()
+    assert not route_installed()
     assert "vllm_ascend.patch.platform.patch_balance_schedule" not in sys.modules
-    for async_scheduling, stock in ((False, genuine_vllm_scheduler()), (True, AsyncScheduler)):
+    for async_scheduling, stock in ((False, Scheduler), (True, AsyncScheduler)):
         config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling)
         assert config.scheduler_config.get_scheduler_cls() is stock
-    assert not patch_balance_engine.is_engine_hook_installed()
+    assert not route_installed()
 
 
 @pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
@@ -128,11 +140,11 @@ def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_mod
 def test_config_switch_alone_activates_at_config_time(balance_env_unset: None, tiny_model: Path,
                                                       async_scheduling: bool,
                                                       expected: type) -> None:
-    patch_balance_schedule.register()
-    assert not patch_balance_engine.is_engine_hook_installed()
+    patch_balance_coexist.register()
+    assert not route_installed()
     config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling,
                               additional_config=ON)
-    assert patch_balance_engine.is_engine_hook_installed()  # before any engine core starts
+    assert route_installed()  # before any engine core starts
     assert config.scheduler_config.get_scheduler_cls() is expected
 
 
@@ -144,7 +156,7 @@ def test_config_switch_off_beats_the_env_flag(registered: None, tiny_model: Path
 def test_the_decision_travels_with_the_config(balance_env_unset: None, tiny_model: Path) -> None:
     """Engine-core processes get the config pickled and no env switch: the decision made in the
     front-end comes along, and vLLM's config hash ignores it."""
-    patch_balance_schedule.register()
+    patch_balance_coexist.register()
     on = make_vllm_config(tiny_model, dp_size=2, additional_config=ON)
     plain = make_vllm_config(tiny_model, dp_size=2)
     shipped = pickle.loads(pickle.dumps(on.scheduler_config))
@@ -153,7 +165,7 @@ def test_the_decision_travels_with_the_config(balance_env_unset: None, tiny_mode
 
 
 def test_bad_config_value_fails_at_config_time(balance_env_unset: None, tiny_model: Path) -> None:
-    patch_balance_schedule.register()
+    patch_balance_coexist.register()
     with pytest.raises(ValueError, match="enable_balance_scheduling.*true and false"):
         make_vllm_config(tiny_model, dp_size=2,
                          additional_config={"enable_balance_scheduling": "false"})
@@ -163,20 +175,21 @@ def test_flag_turned_off_later_gives_stock_classes(registered: None, tiny_model:
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "0")
     config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=False)
-    assert config.scheduler_config.get_scheduler_cls() is genuine_vllm_scheduler()
+    assert config.scheduler_config.get_scheduler_cls() is Scheduler
 
 
 def test_register_twice_wraps_once(registered: None) -> None:
     wrapped = SchedulerConfig.__dict__["get_scheduler_cls"]
+    patch_balance_coexist.register()
     patch_balance_schedule.register()
     assert SchedulerConfig.__dict__["get_scheduler_cls"] is wrapped
-    assert not getattr(wrapped.__wrapped__, "__balance_scheduling_wrapped__", False)
+    assert wrapper_layers() == ["_balanced_get_scheduler_cls", "_copy_free_get_scheduler_cls", "vllm"]
 
 
 def test_bad_flag_fails_at_plugin_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "true")
     with pytest.raises(ValueError, match="VLLM_ASCEND_BALANCE_SCHEDULING='true'"):
-        patch_balance_schedule.register()
+        patch_balance_coexist.register()
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
@@ -185,7 +198,7 @@ def test_pd_disaggregated_role_fails_at_config_time(monkeypatch: pytest.MonkeyPa
                                                     tiny_model: Path, role: str,
                                                     switch: str) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1" if switch == "env" else "0")
-    patch_balance_schedule.register()
+    patch_balance_coexist.register()
     with pytest.raises(ValueError, match=f"supports only PD-mixed.*{role}"):
         make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
             kv_connector="ExampleConnector", kv_role=role),
@@ -198,9 +211,8 @@ def test_pd_mixed_role_is_accepted(registered: None, tiny_model: Path) -> None:
     assert config.kv_transfer_config is not None
 
 
-def _run(args: list[str], env: dict[str, str] | None = None) -> str:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **(env or {})})
+def _run(args: list[str], **env: str) -> str:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=helper_process_env(**env))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -278,7 +290,6 @@ def test_without_this_distribution_vllm_is_stock(tmp_path: Path, tiny_model: Pat
     _site_without(site, excluded, tmp_path / "site")
     script = f"""
 import importlib.util, sys
-sys.path.insert(0, {str(HERE.parents[2] / 'scripts')!r})
 assert importlib.util.find_spec("vllm_ascend_balance") is None
 assert importlib.util.find_spec("vllm_ascend.core.balance_scheduler") is None
 import vllm.plugins
@@ -291,8 +302,44 @@ for flag in (False, True):
     print("RESOLVED", cls.__module__ + "." + cls.__qualname__)
 """
     out = _run([sys.executable, "-S", "-c", script],
-               env={"PYTHONPATH": str(tmp_path / "site"), "VLLM_PLUGINS": PLUGIN_NAME,
-                    "VLLM_ASCEND_BALANCE_SCHEDULING": "1"})
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), helper_process_env()["PYTHONPATH"]]),
+               VLLM_PLUGINS=PLUGIN_NAME, VLLM_ASCEND_BALANCE_SCHEDULING="1")
     resolved = [line.split()[1] for line in out.splitlines() if line.startswith("RESOLVED")]
     assert resolved == ["vllm.v1.core.sched.scheduler.Scheduler",
                         "vllm.v1.core.sched.async_scheduler.AsyncScheduler"]
+
+
+VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_vllm_ascend_copy_installed_first_is_repaired_only_when_on(
+    balance_env_unset: None, tiny_moe_model: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch, switch: str
+) -> None:
+    """In-process stand-in: a function from vllm-ascend's module name (the real module is
+    imported in a separate process by test_engine_import_order.py)."""
+    monkeypatch.setattr(patch_balance_schedule.logger, "propagate", True)  # let caplog see it
+    namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule"}
+    exec("def run_engine_core(*args, **kwargs):\n    raise AssertionError('stale copy')", namespace)
+    copy = namespace["run_engine_core"]
+    monkeypatch.setattr(EngineCoreProc, "run_engine_core", copy)
+    patch_balance_coexist.register()
+    make_vllm_config(tiny_moe_model, dp_size=2, additional_config={"enable_balance_scheduling": switch == "on"})
+    if switch == "off":  # left exactly as vllm-ascend set it
+        assert EngineCoreProc.__dict__["run_engine_core"] is copy
+        return
+    assert route_installed()
+    rebuilt = patch_balance_schedule._vllm_run_engine_core
+    assert rebuilt is not VLLM_RUN_ENGINE_CORE
+    # Same source, same module: same names, variables and lines (the byte code itself may
+    # differ in peephole details between the wheel's .pyc and a fresh compile).
+    for attribute in ("co_names", "co_varnames", "co_cellvars", "co_filename",
+                      "co_firstlineno", "co_argcount", "co_kwonlyargcount"):
+        assert (getattr(rebuilt.__code__, attribute)
+                == getattr(VLLM_RUN_ENGINE_CORE.__code__, attribute)), attribute
+    assert ({line for *_, line in rebuilt.__code__.co_lines()}
+            == {line for *_, line in VLLM_RUN_ENGINE_CORE.__code__.co_lines()})
+    assert rebuilt.__globals__ is VLLM_RUN_ENGINE_CORE.__globals__
+    assert rebuilt.__qualname__ == "EngineCoreProc.run_engine_core"
+    assert "replaced EngineCoreProc.run_engine_core with a stale copy" in caplog.text

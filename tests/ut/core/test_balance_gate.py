@@ -9,29 +9,25 @@ from typing import Any
 
 import pytest
 import torch
-from offline_vllm import build_scheduler, make_request, make_vllm_config, step
+from offline_vllm import build_scheduler, emulate_gather, make_request, make_vllm_config, step
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_ascend.core import balance_scheduler as balance_module
-from vllm_ascend.core.balance_config import balance_scheduling_flag
 from vllm_ascend.core.balance_scheduler import (
     BalanceAsyncScheduler,
     BalanceScheduler,
-    GateRule,
     balance_scheduler_class,
 )
-from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
+from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
-Scheduler = genuine_vllm_scheduler()
 CAP = 4
 
 
 def gathered(scheduler: Any, counts: list[int]) -> None:
-    """What balance_gather would have left after the previous step."""
-    assert len(counts) == len(scheduler.balance_queue)
-    for slot, count in zip(scheduler.balance_queue, counts):
-        slot.fill_(count)
+    """What balance_gather would have left on this rank after the previous step."""
+    emulate_gather([scheduler], counts)
 
 
 def new_ids(output: Any) -> list[str]:
@@ -85,11 +81,13 @@ def test_bad_flag_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, value:
         balance_scheduling_flag()
 
 
-def test_bad_flag_value_refuses_to_build_a_scheduler(monkeypatch: pytest.MonkeyPatch,
-                                                     config: Any) -> None:
-    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "yes")
-    with pytest.raises(ValueError, match="VLLM_ASCEND_BALANCE_SCHEDULING"):
-        build_scheduler(BalanceScheduler, config)
+@pytest.mark.parametrize("flag", ["0", "yes"])
+def test_the_class_decides_not_the_switches(monkeypatch: pytest.MonkeyPatch, config: Any, flag: str) -> None:
+    """The decision is made once, by the wiring; a balanced class gates whatever the switches say now."""
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", flag)
+    scheduler = build_scheduler(BalanceScheduler, config)
+    gathered(scheduler, [0, CAP])
+    assert scheduler.balance_gate_closed()
 
 
 # ---- construction ---------------------------------------------------------------------------
@@ -100,7 +98,7 @@ def test_constructor_takes_vllm_arguments_positionally_too(balance_on: None, con
     assert names == ["vllm_config", "kv_cache_config", "structured_output_manager", "block_size"]
     positional = BalanceScheduler(config, keyword_built.kv_cache_config,
                                   keyword_built.structured_output_manager, 16)
-    assert isinstance(positional, Scheduler) and positional.balance_enabled
+    assert isinstance(positional, Scheduler) and len(positional.balance_queue) == 2
 
 
 def test_balance_queue_is_one_int32_cpu_tensor_per_rank(balance_on: None, tiny_model: Path) -> None:
@@ -149,32 +147,27 @@ def test_gate_freezes_admission_while_any_rank_is_at_cap(balance_on: None, tiny_
     assert [r.request_id for r in scheduler.waiting] == ["b2"]
 
 
-def test_gate_rule_cap_minus_one(balance_on: None, config: Any) -> None:
+def test_the_threshold_is_the_cap_and_a_subclass_may_move_it(config: Any) -> None:
+    class CloseOneEarlier(BalanceScheduler):  # how the simulator measures the reverted cap-1 rule
+        @property
+        def balance_gate_threshold(self) -> int:
+            return self.max_num_running_reqs - 1
+
     scheduler = build_scheduler(BalanceScheduler, config)
-    scheduler.add_request(make_request("a"))
+    assert scheduler.balance_gate_threshold == CAP
     gathered(scheduler, [0, CAP - 1])
     assert not scheduler.balance_gate_closed()
-    scheduler.balance_gate_rule = GateRule.CAP_MINUS_ONE
-    assert scheduler.balance_gate_closed()
-    assert new_ids(step(scheduler)[0]) == []
-
-
-def test_gate_rule_cap_minus_one_never_freezes_an_idle_cluster(balance_on: None,
-                                                               tiny_model: Path) -> None:
-    scheduler = build_scheduler(BalanceScheduler,
-                                make_vllm_config(tiny_model, max_num_seqs=1, dp_size=2))
-    scheduler.balance_gate_rule = GateRule.CAP_MINUS_ONE
-    assert scheduler.balance_gate_threshold == 1
-    assert not scheduler.balance_gate_closed()
+    earlier = build_scheduler(CloseOneEarlier, config)
+    earlier.add_request(make_request("a"))
+    gathered(earlier, [0, CAP - 1])
+    assert earlier.balance_gate_closed()
+    assert new_ids(step(earlier)[0]) == []
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_open_gate_and_flag_off_schedule_exactly_like_stock_vllm(
-        monkeypatch: pytest.MonkeyPatch, tiny_model: Path, seed: int,
-        async_scheduling: bool) -> None:
-    def run(scheduler_cls: type, flag: str, counts: list[int]) -> list[tuple]:
-        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", flag)
+def test_open_gate_schedules_exactly_like_stock_vllm(tiny_model: Path, seed: int, async_scheduling: bool) -> None:
+    def run(scheduler_cls: type, counts: list[int]) -> list[tuple]:
         config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=40,
                                   async_scheduling=async_scheduling)
         scheduler = build_scheduler(scheduler_cls, config)
@@ -184,19 +177,9 @@ def test_open_gate_and_flag_off_schedule_exactly_like_stock_vllm(
 
     stock_cls = AsyncScheduler if async_scheduling else Scheduler
     ours_cls = BalanceAsyncScheduler if async_scheduling else BalanceScheduler
-    stock = run(stock_cls, "0", [])
-    assert run(ours_cls, "1", [0, CAP - 1]) == stock  # gate open
-    assert run(ours_cls, "0", [CAP, CAP]) == stock  # flag off: the gate never closes
+    stock = run(stock_cls, [])
+    assert run(ours_cls, [0, CAP - 1]) == stock  # gate open
     assert sum(len(t[3]) for t in stock) == 24  # every request finished
-
-
-def test_flag_off_gathers_nothing(balance_off: None, config: Any, mocker: Any) -> None:
-    all_gather = mocker.patch.object(balance_module.dist, "all_gather")
-    scheduler = build_scheduler(BalanceScheduler, config)
-    scheduler.balance_gather(dp_group=None)
-    gathered(scheduler, [CAP, CAP])
-    assert not scheduler.balance_gate_closed()
-    all_gather.assert_not_called()
 
 
 def test_dp_size_one_warns_and_never_gathers(balance_on: None, tiny_model: Path,
@@ -302,18 +285,19 @@ def test_a_class_that_ignores_the_seam_is_refused(balance_on: None, config: Any)
         build_scheduler(balance_scheduler_class(SchedulerDynamicBatch), config)
 
 
-def test_pd_disaggregated_role_is_refused(balance_on: None, tiny_model: Path) -> None:
+def test_pd_disaggregated_role_is_refused_by_the_decision(balance_on: None, tiny_model: Path) -> None:
     from vllm.config import KVTransferConfig
 
     for role in ("kv_producer", "kv_consumer"):
-        config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role=role))
+        config = make_vllm_config(
+            tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role=role)
+        )
         with pytest.raises(ValueError, match=f"PD-mixed.*{role}"):
-            build_scheduler(BalanceScheduler, config)
+            decide(config)
 
 
-def test_ray_dp_backend_is_refused(balance_on: None, tiny_model: Path) -> None:
+def test_ray_dp_backend_is_refused_by_the_decision(balance_on: None, tiny_model: Path) -> None:
     config = make_vllm_config(tiny_model, dp_size=2)
     config.parallel_config.data_parallel_backend = "ray"
     with pytest.raises(ValueError, match="data_parallel_backend='ray'"):
-        build_scheduler(BalanceScheduler, config)
+        decide(config)

@@ -15,13 +15,11 @@ import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
 from vllm_ascend.core.balance_seam import inspect_schedule, schedule_seam_problems
-from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
-
-Scheduler = genuine_vllm_scheduler()
 
 # Methods of vLLM's Scheduler that read ``_pause_state`` directly. Code among them that runs
 # *inside* schedule() sees the gate's transient PAUSED_NEW; a new reader must be reviewed.

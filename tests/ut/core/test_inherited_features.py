@@ -18,6 +18,7 @@ import fake_remote_kv
 import pytest
 from offline_vllm import (
     build_scheduler,
+    emulate_gather,
     fake_model_output,
     make_json_request,
     make_request,
@@ -28,10 +29,10 @@ from vllm.config import KVTransferConfig
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
-from vllm_ascend.core.balance_upstream import genuine_vllm_scheduler
 
 CAP = 4
 CLOSED, OPEN = [CAP, 0], [0, 0]
@@ -41,8 +42,7 @@ WAITING_FOR_GRAMMAR = getattr(RequestStatus, "WAITING_FOR_FSM", None) or getattr
 
 
 def set_gate(scheduler: Any, counts: list[int]) -> None:
-    for slot, count in zip(scheduler.balance_queue, counts):
-        slot.fill_(count)
+    emulate_gather([scheduler], counts)
 
 
 def admitted(output: Any) -> list[str]:
@@ -184,10 +184,8 @@ def test_streaming_input_session_resumes_only_when_the_gate_opens(balanced: Any)
 
 # ---- Mamba block-aligned split -------------------------------------------------------------
 
-def test_mamba_block_aligned_split_is_applied_on_admission(monkeypatch: pytest.MonkeyPatch,
-                                                           tiny_model: Path) -> None:
-    def chunks(scheduler_cls: type, flag: str) -> list[int]:
-        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", flag)
+def test_mamba_block_aligned_split_is_applied_on_admission(tiny_model: Path) -> None:
+    def chunks(scheduler_cls: type) -> list[int]:
         scheduler = build_scheduler(scheduler_cls, make_vllm_config(
             tiny_model, max_num_seqs=CAP, dp_size=2, max_num_batched_tokens=40))
         # A hybrid (Mamba) model sets this from its KV-cache groups; none can be built on CPU.
@@ -195,9 +193,9 @@ def test_mamba_block_aligned_split_is_applied_on_admission(monkeypatch: pytest.M
         scheduler.add_request(make_request("hybrid", num_prompt_tokens=100, max_tokens=1))
         return [step(scheduler)[0].num_scheduled_tokens.get("hybrid", 0) for _ in range(4)]
 
-    stock = chunks(genuine_vllm_scheduler(), "0")
+    stock = chunks(Scheduler)
     assert stock[:2] == [32, 32]  # 40-token budget, aligned down to 16-token blocks
-    assert chunks(BalanceScheduler, "1") == stock
+    assert chunks(BalanceScheduler) == stock
 
 
 # ---- encoder cache freed when KV allocation fails -----------------------------------------------
@@ -221,9 +219,8 @@ def test_encoder_cache_is_freed_when_kv_allocation_fails(balance_on: None, tiny_
 
 # ---- preemption returns the preempted request's token budget ------------------------------------
 
-def test_preemption_matches_stock_vllm(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
-    def run(scheduler_cls: type, flag: str) -> list[tuple]:
-        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", flag)
+def test_preemption_matches_stock_vllm(tiny_model: Path) -> None:
+    def run(scheduler_cls: type) -> list[tuple]:
         scheduler = build_scheduler(scheduler_cls, make_vllm_config(
             tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=9, max_num_batched_tokens=64))
         for i in range(4):
@@ -238,7 +235,7 @@ def test_preemption_matches_stock_vllm(monkeypatch: pytest.MonkeyPatch, tiny_mod
         assert not scheduler.requests  # everything finished
         return seen
 
-    stock = run(genuine_vllm_scheduler(), "0")
+    stock = run(Scheduler)
     assert any(preempted for _, preempted, _, _ in stock), "scenario must preempt"
     assert all(total <= 64 for *_, total in stock)  # budget respected after preemption
-    assert run(BalanceScheduler, "1") == stock
+    assert run(BalanceScheduler) == stock

@@ -124,13 +124,3 @@ def test_gate_sees_previous_step_counts_and_freezes_all_ranks_until_below_cap(
     assert rank1["running_after"][10] == CAP
     # ... and from the next step on the gate is closed again.
     assert rank0["seen"][11] == [2, CAP] and rank0["admitted"][11] == []
-
-
-def test_without_the_flag_the_hook_gathers_nothing(balance_off: None, config: Any) -> None:
-    arrivals = {1: {0: [make_request(f"c{i}", max_tokens=20) for i in range(CAP)]},
-                0: {1: [make_request("d0", max_tokens=5)]}}
-    rank0, rank1 = run_ranks(config, arrivals, steps=3)
-    assert rank1["running_after"] == [CAP] * 3
-    # balance_queue never filled, so the gate never closed: d0 admitted on arrival.
-    assert rank0["seen"][1:] == [[0, 0]] * 2 and rank1["seen"] == [[0, 0]] * 3
-    assert rank0["admitted"][1] == ["d0"]

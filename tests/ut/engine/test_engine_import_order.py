@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from balance_fixtures import helper_process_env
 
 PROBE = Path(__file__).parents[1] / "core" / "import_order_probe.py"
 REPAIR_LOG = "replaced EngineCoreProc.run_engine_core with a stale copy"
@@ -20,7 +21,8 @@ def test_engine_hook_wins_in_both_import_orders(tiny_model: Path, switch: str) -
     # Both probes start before either is awaited: their vLLM imports overlap.
     probes = {order: subprocess.Popen([sys.executable, str(PROBE), order, switch,
                                        str(tiny_model)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=helper_process_env())
               for order in ("theirs-first", "ours-first")}
     reports = {}
     for order, probe in probes.items():

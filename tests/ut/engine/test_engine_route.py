@@ -14,128 +14,76 @@ import os
 import pickle
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from offline_vllm import make_vllm_config
 from vllm.v1.engine.core import EngineCoreProc
 
 import vllm.v1.engine.core as engine_core_module
-from vllm_ascend_balance import patch_balance_engine
-from vllm_ascend_balance import patch_balance_schedule
+from vllm_ascend_balance import patch_balance_schedule as wiring
 
 HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
 CONFIG_ON = {"enable_balance_scheduling": True}
 DENSE_LOG = "is inactive for this dense (non-MoE) model"
 
 
-@pytest.fixture(autouse=True)
-def stock_engine_core() -> Iterator[None]:
-    """Each test starts and ends with vLLM's own run_engine_core (another test file may have
-    called the plugin's register() with the flag on)."""
-    global VLLM_RUN_ENGINE_CORE
-    patch_balance_engine.uninstall_engine_hook()
-    VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
-    assert VLLM_RUN_ENGINE_CORE.__module__ == "vllm.v1.engine.core"
-    yield
-    patch_balance_engine.uninstall_engine_hook()
+VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
+assert VLLM_RUN_ENGINE_CORE.__module__ == "vllm.v1.engine.core"
 
 
-VLLM_RUN_ENGINE_CORE: Any = None
+def route_installed() -> bool:
+    return EngineCoreProc.run_engine_core is wiring.run_engine_core
 
 
 @pytest.fixture
-def engine_hook(balance_on: None) -> Iterator[Any]:
-    patch_balance_engine.install_engine_hook()
-    yield patch_balance_engine
-    patch_balance_engine.uninstall_engine_hook()
+def engine_hook(balance_on: None) -> Any:
+    wiring.install_engine_route()
+    return wiring
 
 
-def test_plugin_leaves_the_launch_alone_with_both_switches_off(
-        balance_off: None, tiny_moe_model: Path) -> None:
-    patch_balance_schedule.register()
-    try:
-        make_vllm_config(tiny_moe_model, dp_size=2)
-        assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
-        assert not patch_balance_engine.is_engine_hook_installed()
-    finally:
-        patch_balance_schedule.unregister()
-
-
-def test_the_config_switch_installs_the_hook_when_the_config_is_built(
-        balance_env_unset: None, tiny_moe_model: Path) -> None:
-    patch_balance_schedule.register()
-    try:
-        assert not patch_balance_engine.is_engine_hook_installed()
-        make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
-        assert patch_balance_engine.is_engine_hook_installed()
-    finally:
-        patch_balance_schedule.unregister()
-
-
-def test_plugin_register_installs_the_hook(balance_on: None) -> None:
-    patch_balance_schedule.register()
-    try:
-        assert patch_balance_engine.is_engine_hook_installed()
-    finally:
-        patch_balance_schedule.unregister()
-        patch_balance_engine.uninstall_engine_hook()
+def test_plugin_leaves_the_launch_alone_with_both_switches_off(balance_off: None, tiny_moe_model: Path) -> None:
+    wiring.register()
+    make_vllm_config(tiny_moe_model, dp_size=2)
     assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
+    assert not route_installed()
+
+
+@pytest.mark.parametrize("switch", ["env", "config"])
+def test_either_switch_installs_the_route_when_the_config_is_built(
+    balance_env_unset: None, monkeypatch: pytest.MonkeyPatch, tiny_moe_model: Path, switch: str
+) -> None:
+    if switch == "env":
+        monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")
+    wiring.register()
+    assert not route_installed()  # nothing before a config decides
+    make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON if switch == "config" else None)
+    assert route_installed()
 
 
 def test_launch_target_pickles_by_reference_to_this_module(engine_hook: Any) -> None:
     target = EngineCoreProc.run_engine_core  # what vLLM's launcher passes to Process(...)
     payload = pickle.dumps(target)
-    assert b"vllm_ascend_balance.patch_balance_engine" in payload
+    assert b"vllm_ascend_balance.patch_balance_schedule" in payload
     assert b"vllm.v1.engine.core" not in payload
-    assert pickle.loads(payload) is patch_balance_engine.run_engine_core
+    assert pickle.loads(payload) is wiring.run_engine_core
 
 
-def test_install_is_idempotent_and_uninstall_restores_vllm(engine_hook: Any) -> None:
-    engine_hook.install_engine_hook()
-    assert engine_hook._upstream_run_engine_core is VLLM_RUN_ENGINE_CORE
-    engine_hook.uninstall_engine_hook()
-    assert EngineCoreProc.run_engine_core is VLLM_RUN_ENGINE_CORE
-    assert engine_core_module.DPEngineCoreProc.__module__ == "vllm.v1.engine.core"
+def test_install_is_idempotent_and_records_vllms_function(engine_hook: Any) -> None:
+    engine_hook.install_engine_route()
+    assert engine_hook._vllm_run_engine_core is VLLM_RUN_ENGINE_CORE
+    assert route_installed()
+    assert engine_core_module.DPEngineCoreProc.__module__ == "vllm.v1.engine.core"  # swapped only in the child
 
 
-def test_a_foreign_run_engine_core_is_refused(balance_on: None,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_foreign_run_engine_core_is_refused(balance_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     def run_engine_core(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("never called")
 
     monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(run_engine_core))
     with pytest.raises(RuntimeError, match="not vLLM's"):
-        patch_balance_engine.install_engine_hook()
-
-
-def test_vllm_ascend_copy_installed_first_is_repaired(balance_on: None,
-                                                      monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """In-process stand-in: a function from vllm-ascend's module name (the real module is
-    imported in a separate process by test_engine_import_order.py)."""
-    monkeypatch.setattr(patch_balance_engine.logger, "propagate", True)  # let caplog see it
-    namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule"}
-    exec("def run_engine_core(*args, **kwargs):\n    raise AssertionError('stale copy')",
-         namespace)
-    monkeypatch.setattr(EngineCoreProc, "run_engine_core", namespace["run_engine_core"])
-    patch_balance_engine.install_engine_hook()
-    try:
-        rebuilt = patch_balance_engine._upstream_run_engine_core
-        assert rebuilt is not VLLM_RUN_ENGINE_CORE
-        # Same source, same module: same names, variables and lines (the byte code itself may
-        # differ in peephole details between the wheel's .pyc and a fresh compile).
-        for attribute in ("co_names", "co_varnames", "co_cellvars", "co_filename",
-                          "co_firstlineno", "co_argcount", "co_kwonlyargcount"):
-            assert (getattr(rebuilt.__code__, attribute)
-                    == getattr(VLLM_RUN_ENGINE_CORE.__code__, attribute)), attribute
-        assert ({line for *_, line in rebuilt.__code__.co_lines()}
-                == {line for *_, line in VLLM_RUN_ENGINE_CORE.__code__.co_lines()})
-        assert rebuilt.__globals__ is VLLM_RUN_ENGINE_CORE.__globals__
-        assert rebuilt.__qualname__ == "EngineCoreProc.run_engine_core"
-        assert "replaced EngineCoreProc.run_engine_core with a stale copy" in caplog.text
-    finally:
-        patch_balance_engine.uninstall_engine_hook()
+        wiring.install_engine_route()
 
 
 # ---- real engine-core child processes, started by vLLM's launcher with spawn ----------------
@@ -209,17 +157,14 @@ def test_spawned_engine_cores_follow_the_config_switch_alone(
         balance_env_unset: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         tiny_moe_model: Path) -> None:
     """No env flag anywhere: the config switch installs the route in the front-end, and each
-    engine-core child decides from the config it receives (on: hook class; silent: stock)."""
+    engine-core child follows the decision recorded on the config it receives (on: hook class; silent: stock)."""
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
-    patch_balance_schedule.register()
-    try:
-        switched_on = make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
-        silent = make_vllm_config(tiny_moe_model, dp_size=2)
-        assert patch_balance_engine.is_engine_hook_installed()
-        logs = _launch_all({"on": switched_on, "silent": silent}, tmp_path)
-    finally:
-        patch_balance_schedule.unregister()
+    wiring.register()
+    switched_on = make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
+    silent = make_vllm_config(tiny_moe_model, dp_size=2)
+    assert route_installed()
+    logs = _launch_all({"on": switched_on, "silent": silent}, tmp_path)
     assert HOOK_LOG in logs["on"], logs["on"]
     assert "set by additional_config['enable_balance_scheduling']=True" in logs["on"]
     assert "vllm_ascend/core/balance_engine_core.py" in logs["on"]

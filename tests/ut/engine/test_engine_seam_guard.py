@@ -15,7 +15,8 @@ import vllm.v1.engine.core as engine_core_module
 import vllm.v1.engine.utils as engine_utils_module
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 
-from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc, engine_seam_problems
+from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
+from vllm_ascend.core.balance_seam import engine_seam_problems
 
 CORE = inspect.getsource(engine_core_module)
 LAUNCHER = inspect.getsource(engine_utils_module)
@@ -36,13 +37,14 @@ def test_installed_vllm_offers_every_engine_seam() -> None:
     assert engine_seam_problems() == []
 
 
-def test_the_hook_extends_exactly_one_upstream_method() -> None:
+def test_the_hook_extends_the_gather_site_and_only_reports_at_shutdown() -> None:
     own = {name for name in vars(BalanceDPEngineCoreProc) if not name.startswith("__")}
-    assert own == {"_has_global_unfinished_reqs"}
+    assert own == {"_has_global_unfinished_reqs", "shutdown"}
     assert BalanceDPEngineCoreProc.__bases__ == (DPEngineCoreProc,)
     assert "_has_global_unfinished_reqs" in vars(DPEngineCoreProc)
     assert list(inspect.signature(DPEngineCoreProc._has_global_unfinished_reqs).parameters) == [
         "self", "local_unfinished"]
+    assert list(inspect.signature(DPEngineCoreProc.shutdown).parameters) == ["self"]
 
 
 def test_run_engine_core_is_what_the_launcher_pickles() -> None:
@@ -109,11 +111,11 @@ def test_detects_the_launcher_target_changed() -> None:
 
 def test_install_refuses_when_a_seam_moved(balance_on: None,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend.core import balance_engine_core
-    from vllm_ascend_balance import patch_balance_engine
+    from vllm_ascend.core import balance_seam
+    from vllm_ascend_balance import patch_balance_schedule
 
-    monkeypatch.setattr(balance_engine_core, "installed_engine_seam_problems",
+    monkeypatch.setattr(balance_seam, "installed_engine_seam_problems",
                         lambda: ("DPEngineCoreProc.run_busy_loop is gone",))
     with pytest.raises(RuntimeError, match="no longer offers the seam"):
-        patch_balance_engine.install_engine_hook()
-    assert not patch_balance_engine.is_engine_hook_installed()
+        patch_balance_schedule.install_engine_route()
+    assert EngineCoreProc.run_engine_core is not patch_balance_schedule.run_engine_core

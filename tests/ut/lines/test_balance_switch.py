@@ -12,19 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from offline_vllm import build_scheduler, make_request, make_vllm_config, step
+from offline_vllm import build_scheduler, emulate_gather, make_request, make_vllm_config, step
 from pytest_mock import MockerFixture
-from vllm.config import KVTransferConfig
+from vllm.config import KVTransferConfig, SchedulerConfig
+from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_ascend.core import balance_config
-from vllm_ascend.core.balance_config import (
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
+from vllm_ascend_balance import patch_balance_schedule as wiring
+from vllm_ascend_balance.patch_balance_schedule import (
     BALANCE_SCHEDULING_CONFIG_KEY,
     BALANCE_SCHEDULING_ENV,
-    balance_scheduling_enabled,
-    check_balance_scheduling_supported,
     config_balance_switch,
+    decide,
+    recorded_decision,
 )
-from vllm_ascend.core.balance_scheduler import BalanceScheduler
 
 CAP = 2
 
@@ -59,14 +60,24 @@ def test_config_wins_and_env_decides_only_when_config_is_silent(
         monkeypatch.setenv(BALANCE_SCHEDULING_ENV, env)
     if config_value is not None:
         with_switch(config, config_value)
-    assert balance_scheduling_enabled(config) is expected
+    assert decide(config) is expected
+    assert recorded_decision(config.scheduler_config) is expected
 
 
-def test_no_config_leaves_only_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scheduler_config_never_decided_leaves_only_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    never_decided = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False)
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
-    assert balance_scheduling_enabled(None) is True
+    assert recorded_decision(never_decided) is True
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "0")
-    assert balance_scheduling_enabled(None) is False
+    assert recorded_decision(never_decided) is False
+
+
+def test_the_recorded_decision_outlives_the_switches(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+    """An engine-core process reads what the front-end decided; it never decides again."""
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    decide(config)
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "0")
+    assert recorded_decision(config.scheduler_config) is True
 
 
 def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatch,
@@ -74,7 +85,7 @@ def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
     config.additional_config = {"enable_flashcomm1": False}
     assert config_balance_switch(config) is None
-    assert balance_scheduling_enabled(config) is True
+    assert decide(config) is True
 
 
 @pytest.mark.parametrize("value", ["true", "false", 1, 0, None, "1"])
@@ -83,14 +94,14 @@ def test_non_boolean_config_value_is_a_clear_error(balance_env_unset: None, conf
     # vllm-ascend reads bool(value): the string "false" would silently turn it on there.
     with_switch(config, value)
     with pytest.raises(ValueError, match=r"enable_balance_scheduling.*true and false"):
-        balance_scheduling_enabled(config)
+        decide(config)
 
 
 def test_bad_env_value_is_an_error_even_when_the_config_decides(
         monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "yes")
     with pytest.raises(ValueError, match=BALANCE_SCHEDULING_ENV):
-        balance_scheduling_enabled(with_switch(config, True))
+        decide(with_switch(config, True))
 
 
 # ---- what the log says ------------------------------------------------------------------------
@@ -101,16 +112,16 @@ def logged(spy: Any) -> str:
 
 def test_log_names_the_config_when_it_decides(balance_env_unset: None, config: Any,
                                               mocker: MockerFixture) -> None:
-    info = mocker.spy(balance_config.logger, "info_once")
-    balance_scheduling_enabled(with_switch(config, True))
+    info = mocker.spy(wiring.logger, "info_once")
+    decide(with_switch(config, True))
     assert "on: set by additional_config['enable_balance_scheduling']=True" in logged(info)
 
 
 def test_log_names_the_env_and_its_deprecation_when_it_decides(
         monkeypatch: pytest.MonkeyPatch, config: Any, mocker: MockerFixture) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
-    info = mocker.spy(balance_config.logger, "info_once")
-    balance_scheduling_enabled(config)
+    info = mocker.spy(wiring.logger, "info_once")
+    decide(config)
     text = logged(info)
     assert f"on: set by {BALANCE_SCHEDULING_ENV}=1" in text and "deprecates" in text
 
@@ -118,55 +129,68 @@ def test_log_names_the_env_and_its_deprecation_when_it_decides(
 def test_conflict_warns_that_the_env_is_ignored(monkeypatch: pytest.MonkeyPatch, config: Any,
                                                 mocker: MockerFixture) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
-    warning = mocker.spy(balance_config.logger, "warning_once")
-    assert balance_scheduling_enabled(with_switch(config, False)) is False
+    warning = mocker.spy(wiring.logger, "warning_once")
+    assert decide(with_switch(config, False)) is False
     assert f"{BALANCE_SCHEDULING_ENV}=1 is ignored" in logged(warning)
 
 
 def test_nothing_is_logged_when_no_switch_is_set(balance_env_unset: None, config: Any,
                                                  mocker: MockerFixture) -> None:
-    info = mocker.spy(balance_config.logger, "info_once")
-    warning = mocker.spy(balance_config.logger, "warning_once")
-    assert balance_scheduling_enabled(config) is False
+    info = mocker.spy(wiring.logger, "info_once")
+    warning = mocker.spy(wiring.logger, "warning_once")
+    assert decide(config) is False
     assert info.call_count == warning.call_count == 0
 
 
 # ---- the switch reaches a real scheduler ------------------------------------------------------
 
+
+def resolved_scheduler(config: Any) -> Any:
+    """The scheduler vLLM's EngineCore would build from ``config`` with the wiring registered."""
+    wiring.register()
+    decide(config)  # what the wrapped VllmConfig.__post_init__ does when the config is built
+    return build_scheduler(config.scheduler_config.get_scheduler_cls(), config)
+
+
 def test_config_switch_alone_turns_the_gate_on(balance_env_unset: None, config: Any) -> None:
-    scheduler = build_scheduler(BalanceScheduler, with_switch(config, True))
-    assert scheduler.balance_enabled
+    scheduler = resolved_scheduler(with_switch(config, True))
+    assert isinstance(scheduler, BalanceScheduler)
     for index in range(3):
         scheduler.add_request(make_request(f"r{index}", max_tokens=20))
-    for slot, count in zip(scheduler.balance_queue, [0, CAP]):  # the other rank is at its cap
-        slot.fill_(count)
+    emulate_gather([scheduler], [0, CAP])  # the other rank is at its cap
     output, _ = step(scheduler)
     assert output.scheduled_new_reqs == []
     assert scheduler.balance_gated_steps == 1
 
 
-def test_config_switch_off_overrides_the_env_in_the_scheduler(
-        monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+def test_config_switch_off_overrides_the_env_in_the_scheduler(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
-    scheduler = build_scheduler(BalanceScheduler, with_switch(config, False))
-    assert not scheduler.balance_enabled
-    for slot, count in zip(scheduler.balance_queue, [0, CAP]):
-        slot.fill_(count)
+    scheduler = resolved_scheduler(with_switch(config, False))
+    assert type(scheduler) is Scheduler
     scheduler.add_request(make_request("r0"))
     assert [r.req_id for r in step(scheduler)[0].scheduled_new_reqs] == ["r0"]
 
 
-def test_positional_construction_reads_the_config_switch(balance_env_unset: None, config: Any) -> None:
-    keyword_built = build_scheduler(BalanceScheduler, with_switch(config, True))
-    positional = BalanceScheduler(config, keyword_built.kv_cache_config,
-                                  keyword_built.structured_output_manager, 16)
-    assert positional.balance_enabled
-
-
 def test_pd_refusal_names_both_switches(balance_env_unset: None, tiny_model: Path) -> None:
-    config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
-        kv_connector="ExampleConnector", kv_role="kv_producer"))
+    config = make_vllm_config(
+        tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer")
+    )
     with pytest.raises(ValueError, match=r"supports only PD-mixed.*kv_producer") as error:
-        check_balance_scheduling_supported(config)
+        decide(with_switch(config, True))
     assert BALANCE_SCHEDULING_ENV in str(error.value)
     assert BALANCE_SCHEDULING_CONFIG_KEY in str(error.value)
+
+
+@pytest.mark.parametrize("named", [BalanceScheduler, "vllm_ascend.core.balance_scheduler.BalanceScheduler"])
+def test_naming_a_balanced_class_switches_balance_on(balance_env_unset: None, tiny_model: Path, named: Any) -> None:
+    config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=named)
+    assert decide(config) is True
+    wiring.register()
+    assert config.scheduler_config.get_scheduler_cls() is BalanceScheduler
+
+
+def test_naming_a_balanced_class_with_a_switch_off_is_an_error(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "0")
+    config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=BalanceScheduler)
+    with pytest.raises(ValueError, match="is a balance scheduling class, but balance scheduling is switched off"):
+        decide(config)

@@ -18,16 +18,16 @@ from typing import Any
 
 import pytest
 from offline_vllm import BLOCK_SIZE, build_scheduler, kv_cache_config_for, make_vllm_config
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
-from vllm_ascend.core.balance_upstream import VLLM_ASCEND_COPYING_MODULE, genuine_vllm_scheduler
+from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 SUPPORTED_LINES = ("0.18.0", "0.23.0")
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
 COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional"}
 
-Scheduler = genuine_vllm_scheduler()
 
 
 def installed_line() -> str:
@@ -108,7 +108,7 @@ def test_balance_scheduler_takes_exactly_vllms_constructor(balance_on: None,
         vllm_config=config, kv_cache_config=kv_cache_config_for(config),
         structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
         **extra)
-    assert scheduler.balance_enabled
+    assert len(scheduler.balance_queue) == 2
     with pytest.raises(TypeError):
         BalanceScheduler(vllm_config=config, kv_cache_config=kv_cache_config_for(config),
                          structured_output_manager=StructuredOutputManager(config),

@@ -1,163 +1,292 @@
-"""Wiring only: makes every vLLM process that builds a scheduler build a balanced one.
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""Wiring: decides once whether balance scheduling is on, and makes vLLM build accordingly.
 
-Installed with pip, this module is ``vllm_ascend_balance.patch_balance_schedule`` and its
-``register`` is a ``vllm.general_plugins`` entry point: vLLM calls it in every process before it
-resolves the scheduler class (``EngineCore.__init__`` loads general plugins first). In the
-patch series it sits at vllm-ascend's path on the v0.18.0 line, replacing the copying module, and
-beside it as ``patch_zero_copy_balance.py`` on the v0.23.0 line, where vllm-ascend's module also
-carries a PD prefill-node preemption guard and stays.
+**The decision.** Two switches, accepted on every release line: ``additional_config=
+{"enable_balance_scheduling": true}`` (the more specific: one engine, not a whole shell) wins when
+it names the key; otherwise ``VLLM_ASCEND_BALANCE_SCHEDULING`` ("1" on, "0"/unset off) decides.
+Any other value of either is an error: vllm-ascend reads them with ``bool(...)``, so "false" would
+mean *on* there. ``decide`` runs when a ``VllmConfig`` is built (in the front-end, before any engine
+core is launched), refuses what balance scheduling cannot serve, logs which switch decided, and
+records the decision on the config's ``SchedulerConfig``: an attribute, not a dataclass field, so it
+pickles into every engine-core process and stays out of vLLM's config hash. Engine processes read
+that record (``recorded_decision``) and never decide again.
 
-Balance scheduling is switched on by ``VLLM_ASCEND_BALANCE_SCHEDULING=1`` or by
-``additional_config={"enable_balance_scheduling": true}`` (the config wins when it names the key;
-``balance_config`` decides). The env flag is readable when the plugin loads; the config switch only
-once a ``VllmConfig`` exists. So ``register`` installs two cheap wrappers in every case, and the
-rest happens as soon as a switch says "on":
+**What it changes.** ``register`` (called in every vLLM process before a scheduler is resolved)
+wraps two vLLM methods, which do nothing while balance scheduling is off:
 
-* ``SchedulerConfig.get_scheduler_cls`` is wrapped: when balance scheduling is on for that config
-  (the decision is recorded on the ``SchedulerConfig`` and travels with it to engine-core
-  processes), whatever class vLLM would use (``Scheduler``, ``AsyncScheduler``, a configured
-  ``scheduler_cls``) comes back with the balance mixin applied; when off, vLLM's answer untouched;
-* ``VllmConfig.__post_init__`` is wrapped: it decides for the new config, refuses configurations
-  balance scheduling cannot serve, and, when on, activates the rest in this process;
-* activation keeps vllm-ascend's copying module from taking effect, whichever is imported first
-  (its rebinding of vLLM's ``Scheduler`` global is undone and ``AsyncScheduler``, if it was built on
-  the copy, rebuilt), and installs the engine-core route (``patch_balance_engine``): one gather per
-  active MoE DP step.
+* ``VllmConfig.__post_init__``: decides; when on, installs the engine-core route below;
+* ``SchedulerConfig.get_scheduler_cls``: when the recorded decision is on, whatever class vLLM
+  resolved (``Scheduler``, ``AsyncScheduler``, a configured ``scheduler_cls``) comes back with the
+  balance mixin applied. The class is the decision from there on.
 
-With the env flag on, activation happens at once in ``register`` and vllm-ascend's module name is
-also bound to this module when it has not been imported yet: vllm-ascend 0.18 imports its copy
-under that flag and balances with it whatever the config says. With both switches off, nothing
-of vLLM's or vllm-ascend's behaviour changes (vllm-ascend 0.23 imports its module unconditionally;
-it then stays in effect, as it would without this plugin).
+**The engine-core route.** vLLM's ``EngineCoreProc.run_engine_core`` (a staticmethod) runs first in
+every engine-core process and picks ``DPEngineCoreProc`` through its *module global* when the model
+is MoE and DP > 1; plugins load in that process only later, too late to change it. The front-end
+loads plugins before it launches engine cores, and the launcher looks the target up at launch
+time, so the front-end replaces that staticmethod with ``run_engine_core`` of this module (a
+spawned child unpickles it by reference; a forked child inherits it). In the engine process it
+rebinds the module global to ``BalanceDPEngineCoreProc`` and calls vLLM's own ``run_engine_core``,
+which still decides MoE DP vs dense DP vs DP 1.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
-from typing import Any, Callable
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import vllm.v1.engine.core as engine_core_module
 from vllm.config import SchedulerConfig, VllmConfig
-from vllm.logger import init_logger
+from vllm.logger import logger
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.engine.core import EngineCoreProc
 
-import vllm.v1.core.sched.scheduler as vllm_scheduler_module
-from vllm_ascend.core.balance_config import (
-    balance_scheduling_flag,
-    check_balance_scheduling_supported,
-    decide_for_config,
-    recorded_decision,
-)
-from vllm_ascend.core.balance_upstream import (
-    VLLM_ASCEND_COPYING_MODULE,
-    copied_schedule_classes,
-    genuine_vllm_scheduler,
-)
-
-from .patch_balance_engine import install_engine_hook, uninstall_engine_hook
-
-# Under "vllm." so vLLM's logging configuration (handler, level, format) applies to it.
-logger = init_logger(f"vllm.{__name__}")
-
-# Marks our wrappers so a second register() (plugins load once per process, but tests and the
-# fork's import may call it again) never stacks a second wrapper.
+BALANCE_SCHEDULING_ENV = "VLLM_ASCEND_BALANCE_SCHEDULING"
+BALANCE_SCHEDULING_CONFIG_KEY = "enable_balance_scheduling"
+SWITCHES_OFF = f"unset {BALANCE_SCHEDULING_ENV} and additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]"
+_FLAG_VALUES = {"0": False, "1": True}
+_DECISION_ATTR = "_vllm_ascend_balance_scheduling"
 _WRAPPED_MARK = "__balance_scheduling_wrapped__"
+
+# vLLM's run_engine_core, recorded when the route is installed (a forked child inherits it; a spawned child finds
+# vLLM's function still in place on its freshly imported class).
+_vllm_run_engine_core: Callable[..., Any] | None = None
+
+
+# ---- the decision -----------------------------------------------------------------------------------------------
+
+
+def balance_scheduling_flag() -> bool:
+    """``VLLM_ASCEND_BALANCE_SCHEDULING`` alone: "1" on, "0" or unset off, anything else an error."""
+    raw = os.environ.get(BALANCE_SCHEDULING_ENV, "0")
+    if raw not in _FLAG_VALUES:
+        raise ValueError(
+            f"{BALANCE_SCHEDULING_ENV}={raw!r} is not valid: accepted values are '1' (balance scheduling on) "
+            "and '0' or unset (off)."
+        )
+    return _FLAG_VALUES[raw]
+
+
+def config_balance_switch(vllm_config: VllmConfig) -> bool | None:
+    """``additional_config["enable_balance_scheduling"]``, or None when the config says nothing (also when
+    ``additional_config`` is not a mapping: vLLM allows other objects for plugins)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, Mapping) or BALANCE_SCHEDULING_CONFIG_KEY not in additional:
+        return None
+    value = additional[BALANCE_SCHEDULING_CONFIG_KEY]
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]={value!r} is not valid: accepted values "
+            "are true and false (JSON booleans), e.g. --additional-config "
+            f"'{{\"{BALANCE_SCHEDULING_CONFIG_KEY}\": true}}'."
+        )
+    return value
+
+
+def decide(vllm_config: VllmConfig) -> bool:
+    """The one decision for ``vllm_config``: checked, logged and recorded on its SchedulerConfig.
+
+    A bad value in either switch is an error even when the other one decides: it is a typo the user should see.
+    A ``scheduler_cls`` that names a balanced class asks for balance scheduling when no switch says otherwise.
+    """
+    env_value, env_raw = balance_scheduling_flag(), os.environ.get(BALANCE_SCHEDULING_ENV)
+    config_value = config_balance_switch(vllm_config)
+    enabled = env_value if config_value is None else config_value
+    source = None
+    if config_value is not None:
+        source = f"set by additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]={config_value}"
+        if env_raw is not None and env_value != config_value:
+            source += (
+                f"; {BALANCE_SCHEDULING_ENV}={env_raw} is ignored (the config's switch wins over the environment "
+                "variable)"
+            )
+    elif env_raw is not None:
+        source = (
+            f"set by {BALANCE_SCHEDULING_ENV}={env_raw} (additional_config has no "
+            f"{BALANCE_SCHEDULING_CONFIG_KEY!r}; vllm-ascend 0.23 deprecates the environment variable in "
+            f"favour of --additional-config '{{\"{BALANCE_SCHEDULING_CONFIG_KEY}\": true}}')"
+        )
+    if _names_balanced_class(vllm_config.scheduler_config):
+        if source is not None and not enabled:
+            raise ValueError(
+                f"scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r} is a balance scheduling class, but "
+                f"balance scheduling is switched off ({source}): remove one of the two."
+            )
+        enabled, source = True, source or f"set by scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}"
+    if enabled:
+        _refuse_unsupported(vllm_config)
+    setattr(vllm_config.scheduler_config, _DECISION_ATTR, (enabled, source))
+    return recorded_decision(vllm_config.scheduler_config)
+
+
+def _names_balanced_class(scheduler_config: SchedulerConfig) -> bool:
+    named = scheduler_config.scheduler_cls
+    if named is None:
+        return False
+    from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
+
+    named = resolve_obj_by_qualname(named) if isinstance(named, str) else named  # as vLLM resolves it
+    return isinstance(named, type) and issubclass(named, BalanceSchedulingMixin)
+
+
+def recorded_decision(scheduler_config: SchedulerConfig) -> bool:
+    """The decision ``decide`` recorded (logged once per process); for a ``SchedulerConfig`` that never went
+    through a ``VllmConfig`` there is no config switch, so the environment variable alone."""
+    record = getattr(scheduler_config, _DECISION_ATTR, None)
+    if record is None:
+        return balance_scheduling_flag()
+    enabled, source = record
+    if source is not None:
+        log = logger.warning_once if "is ignored" in source else logger.info_once
+        log("Balance scheduling %s: %s.", "on" if enabled else "off", source)
+    return enabled
+
+
+def _refuse_unsupported(vllm_config: VllmConfig) -> None:
+    """A PD-disaggregated instance does not run the mixed prefill+decode lockstep the gate is for (upstream refuses
+    it too); Ray's DP engine actors are bound at import time, beyond the route's reach, so the gate could never
+    close."""
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.data_parallel_size > 1 and parallel_config.data_parallel_backend == "ray":
+        raise ValueError(
+            "Balance scheduling does not support data_parallel_backend='ray': Ray's DP engine actors never "
+            "run the per-step gather, so the gate could never close. Use the default multiprocessing DP "
+            f"backend ('mp') or {SWITCHES_OFF}."
+        )
+    kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None)
+    if vllm_config.kv_transfer_config is not None and kv_role != "kv_both":
+        raise ValueError(
+            f"Balance scheduling ({BALANCE_SCHEDULING_ENV}=1 or "
+            f"additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]=true) supports only PD-mixed serving (no "
+            f"kv_transfer_config, or kv_role='kv_both'); got kv_role={kv_role!r}. For PD-disaggregated "
+            f"(kv_producer/kv_consumer) instances, {SWITCHES_OFF}."
+        )
+
+
+# ---- the wrappers -------------------------------------------------------------------------------------------------
 
 
 def register() -> None:
-    """Entry point: install the config-time wrappers; activate now when the env flag is on."""
-    _wrap_once(SchedulerConfig, "get_scheduler_cls", _balanced_get_scheduler_cls)
-    _wrap_once(VllmConfig, "__post_init__", _checked_post_init)
-    if balance_scheduling_flag():
-        activate(bind_copying_module_name=True)
+    """Install the two config-time wrappers (idempotent); nothing else changes until a config decides balance
+    scheduling on."""
+    wrap_once(SchedulerConfig, "get_scheduler_cls", _balanced_get_scheduler_cls)
+    wrap_once(VllmConfig, "__post_init__", _deciding_post_init)
 
 
-def activate(*, bind_copying_module_name: bool = False) -> None:
-    """Make this process's scheduler and engine-core launch the zero-copy ones (idempotent)."""
-    _keep_vllm_ascend_copy_out(bind_copying_module_name)
-    install_engine_hook()  # the engine-core side: one gather per active MoE DP step
-
-
-def is_registered() -> bool:
-    return getattr(SchedulerConfig.get_scheduler_cls, _WRAPPED_MARK, False)
-
-
-def unregister() -> None:
-    """Undo ``register`` in this process (vLLM's own methods back, no module alias)."""
-    uninstall_engine_hook()
-    for owner, name in ((SchedulerConfig, "get_scheduler_cls"), (VllmConfig, "__post_init__")):
-        current = owner.__dict__[name]
-        if getattr(current, _WRAPPED_MARK, False):
-            setattr(owner, name, current.__wrapped__)
-    aliased = sys.modules.get(VLLM_ASCEND_COPYING_MODULE) is sys.modules[__name__]
-    if aliased and __name__ != VLLM_ASCEND_COPYING_MODULE:
-        del sys.modules[VLLM_ASCEND_COPYING_MODULE]
-
-
-def _wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable[..., Any]], Any]) -> None:
-    original = owner.__dict__[name]
-    if getattr(original, _WRAPPED_MARK, False):
-        return
-    wrapper = make_wrapper(original)
-    functools.update_wrapper(wrapper, original)
-    setattr(wrapper, _WRAPPED_MARK, True)
+def wrap_once(owner: type, name: str, make_wrapper: Callable[[Callable[..., Any]], Any]) -> None:
+    """Wrap ``owner.name`` with ``make_wrapper(current)`` unless a layer of it already is one (plugins load once
+    per process, but a second ``register()`` must never stack wrappers)."""
+    current = layer = owner.__dict__[name]
+    while layer is not None:
+        if getattr(layer, _WRAPPED_MARK, None) == make_wrapper.__name__:
+            return
+        layer = getattr(layer, "__wrapped__", None)
+    wrapper = functools.update_wrapper(make_wrapper(current), current)
+    setattr(wrapper, _WRAPPED_MARK, make_wrapper.__name__)
     setattr(owner, name, wrapper)
 
 
 def _balanced_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) -> Callable[..., type]:
     def get_scheduler_cls(self: SchedulerConfig) -> type:
-        if not recorded_decision(self):
-            return original(self)
-        # Repaired here too, not only at config time: vllm-ascend's module may have been imported
-        # (and rebound vLLM's Scheduler) since, e.g. by a plugin in an engine-core process.
-        _keep_vllm_ascend_copy_out(bind_copying_module_name=False)
         resolved = original(self)
+        if not recorded_decision(self):
+            return resolved
         from vllm_ascend.core.balance_scheduler import balance_scheduler_class
 
-        if copied_schedule_classes(resolved):
-            if resolved.__module__ != VLLM_ASCEND_COPYING_MODULE:
-                raise RuntimeError(
-                    f"Scheduler class {resolved.__module__}.{resolved.__qualname__} is built on "
-                    "vllm-ascend's copied schedule(), which balance scheduling replaces; build "
-                    "it on vllm.v1.core.sched.scheduler.Scheduler instead.")
-            resolved = genuine_vllm_scheduler()
         balanced = balance_scheduler_class(resolved)
-        logger.info_once("Balance scheduling: using %s (over %s.%s).", balanced.__qualname__,
-                         resolved.__module__, resolved.__qualname__)
+        logger.info_once("Balance scheduling: using %s (over %s).", balanced.__qualname__, _name(resolved))
         return balanced
 
     return get_scheduler_cls
 
 
-def _checked_post_init(original: Callable[..., None]) -> Callable[..., None]:
+def _deciding_post_init(original: Callable[..., None]) -> Callable[..., None]:
     def __post_init__(self: VllmConfig, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        if decide_for_config(self):
-            check_balance_scheduling_supported(self)
-            activate()
+        if decide(self):
+            install_engine_route()
 
     return __post_init__
 
 
-def _keep_vllm_ascend_copy_out(bind_copying_module_name: bool) -> None:
-    this_module = sys.modules[__name__]
-    existing = sys.modules.get(VLLM_ASCEND_COPYING_MODULE)
-    if existing is None:
-        if bind_copying_module_name:
-            # vllm-ascend imports its module under the env flag; it now gets this one.
-            sys.modules[VLLM_ASCEND_COPYING_MODULE] = this_module
+# ---- the engine-core route ----------------------------------------------------------------------------------------
+
+
+def install_engine_route() -> None:
+    """Front-end side: engine-core launches go through ``run_engine_core`` (idempotent)."""
+    global _vllm_run_engine_core
+    if _bound_run_engine_core() is run_engine_core:
         return
-    if existing is this_module:
-        return
-    genuine = genuine_vllm_scheduler()
-    if vllm_scheduler_module.Scheduler is not genuine:
-        logger.info(
-            "Balance scheduling is on: vllm-ascend's copying balance scheduler (%s) rebound "
-            "vLLM's Scheduler; restoring vLLM's own (the zero-copy implementation replaces the "
-            "copy).", VLLM_ASCEND_COPYING_MODULE)
-        vllm_scheduler_module.Scheduler = genuine
-    async_module = sys.modules.get("vllm.v1.core.sched.async_scheduler")
-    if async_module is not None and copied_schedule_classes(async_module.AsyncScheduler):
-        # AsyncScheduler's module was first imported while the global was rebound, so the class
-        # inherits the copy; re-executing the module builds it on the genuine Scheduler.
-        importlib.reload(async_module)
+    from vllm_ascend.core.balance_seam import installed_engine_seam_problems
+
+    if problems := installed_engine_seam_problems():
+        raise RuntimeError(
+            "Balance scheduling is on, but the installed vLLM's engine core no longer offers the seam the "
+            "balance gather relies on (one gather per active DP engine step):\n  - "
+            + "\n  - ".join(problems)
+            + f"\nFor this vLLM, {SWITCHES_OFF}."
+        )
+    _vllm_run_engine_core = vllm_run_engine_core()
+    EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
+
+
+def run_engine_core(*args: Any, **kwargs: Any) -> Any:
+    """Engine-core process entry (the launcher's target): vLLM's, with the hook class in place.
+
+    Deliberately not ``functools.wraps``-ed: pickling must name this module and function, not vLLM's, or a
+    spawned child would import vLLM's original instead.
+    """
+    vllm_run = _vllm_run_engine_core or vllm_run_engine_core()
+    vllm_config = kwargs["vllm_config"]
+    if recorded_decision(vllm_config.scheduler_config):
+        from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
+
+        engine_core_module.DPEngineCoreProc = BalanceDPEngineCoreProc
+        dp_size = vllm_config.parallel_config.data_parallel_size
+        if dp_size > 1 and not vllm_config.model_config.is_moe:
+            logger.info_once(
+                "Balance scheduling is inactive for this dense (non-MoE) model: vLLM runs its %d DP ranks as "
+                "independent engines (no DP group, no lockstep), so there is nothing to balance; each engine "
+                "core runs stock vLLM with data_parallel_size=1.",
+                dp_size,
+            )
+    return vllm_run(*args, **kwargs)
+
+
+def vllm_run_engine_core() -> Callable[..., Any]:
+    """vLLM's own ``run_engine_core`` as bound on ``EngineCoreProc`` now; anything else is refused (the route
+    could not tell which engine-core class it builds)."""
+    function = _bound_run_engine_core()
+    if _name(function) != f"{engine_core_module.__name__}.EngineCoreProc.run_engine_core":
+        raise RuntimeError(
+            f"Balance scheduling is on, but EngineCoreProc.run_engine_core is {_name(function)}, not vLLM's; "
+            "balance scheduling cannot tell which engine-core class it builds. Remove that patch or "
+            f"{SWITCHES_OFF}."
+        )
+    return function
+
+
+def _bound_run_engine_core() -> Callable[..., Any]:
+    attribute = inspect.getattr_static(EngineCoreProc, "run_engine_core")
+    return attribute.__func__ if isinstance(attribute, staticmethod) else attribute
+
+
+def _name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"

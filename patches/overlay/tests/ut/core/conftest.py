@@ -22,4 +22,5 @@ from balance_fixtures import (  # noqa: E402,F401
     balance_on,
     tiny_model,
     tiny_moe_model,
+    vllm_restored,
 )
