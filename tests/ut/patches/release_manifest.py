@@ -29,8 +29,8 @@ def wiring_target(manifest: Manifest) -> str:
 
 
 def _test_patch(manifest: Manifest) -> PatchSpec:
-    """The patch whose files are rewritten (the unit tests)."""
-    (spec,) = [spec for spec in manifest.patches if spec.rewrites]
+    """The patch of the unit tests (its files are rewritten to vllm-ascend's module names)."""
+    (spec,) = [spec for spec in manifest.patches if spec.rewrites and spec.slug.endswith("unit-tests")]
     return spec
 
 
