@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import apply_patches
 from export_patches import REPO_ROOT
 
 SCRIPTS = REPO_ROOT / "scripts"
@@ -19,6 +22,16 @@ def run_tool(*args: str | Path, cwd: Path | None = None,
              preexec_fn=None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, preexec_fn=preexec_fn)
+
+
+def call_tool(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """apply_patches.main in this process (cheaper than run_tool; for the many follow-up runs
+    of the kill trials, whose killed runs are processes of their own)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = apply_patches.main([str(arg) for arg in args])
+    return subprocess.CompletedProcess(["apply_patches", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def run_killed_at(step: int, log: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
