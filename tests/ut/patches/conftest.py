@@ -19,6 +19,7 @@ from export_patches import Manifest, PristineSource, generate, load_manifest, re
 from release_manifest import FILES, INIT, MANIFEST, PROJECT, UNAVAILABLE, WIRING_SOURCE
 from tool_runner import with_dist_info
 
+
 @pytest.fixture(autouse=True)
 def state_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test's journals and backups go to its own directory (never the user's)."""

@@ -1,9 +1,10 @@
-"""apply_patches under SIGKILL: killed at every filesystem step of an apply and of a revert.
+"""apply_patches under SIGKILL: killed at steps spread over an apply and over a revert.
 
 Each trial is a real process that kills itself (kill_at_step.py) at a chosen step, on a real tree
 with the real ``git apply``; then (in this process, to keep the trials cheap) ``status`` must say
-where things stand without changing anything, ``revert`` must give back the pristine tree byte for byte (files, permission bits and
-directories), and ``apply`` must give the fully applied tree. The steps are counted by running
+where things stand without changing anything, ``revert`` must give back the pristine tree byte
+for byte (files, permission bits and directories), and ``apply`` must give the fully applied
+tree. The steps are counted by running
 the operation once unkilled; the trials are spread evenly over them (every step with
 ``BALANCE_KILL_TRIALS=all``), so they follow the series however it grows.
 """

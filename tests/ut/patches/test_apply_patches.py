@@ -14,8 +14,8 @@ from pathlib import Path
 import patch_journal
 import pytest
 from apply_patches import ApplyError, Status, find_target, main
-from export_patches import PATCHES_DIR, REPO_ROOT, manifest_versions
-from release_manifest import INIT, NEW_FILES, PROJECT, REGISTER_CALL, WIRING_SOURCE, needs_release
+from export_patches import PATCHES_DIR, manifest_versions
+from release_manifest import INIT, NEW_FILES, PROJECT, REGISTER_CALL, needs_release
 from tool_runner import run_tool, snapshot, with_dist_info
 
 
@@ -169,12 +169,12 @@ def test_a_version_without_a_series_is_one_line_naming_both(vllm_ascend_tree: Pa
     listing = ", ".join(sorted(version for _, version in manifest_versions().values()))
     status = run_tool("status", "--target", vllm_ascend_tree)
     assert status.returncode == Status.NO_SERIES.code
-    assert f"no series for vllm-ascend 0.0.1" in status.stdout
+    assert "no series for vllm-ascend 0.0.1" in status.stdout
     assert f"series exist for {listing}" in status.stdout
     for command in ("apply", "revert"):
         refused = run_tool(command, "--target", vllm_ascend_tree)
         assert refused.returncode == 1
-        assert f"no series for vllm-ascend 0.0.1" in only_line(refused.stderr)
+        assert "no series for vllm-ascend 0.0.1" in only_line(refused.stderr)
     # An explicit series of another release: one line naming both versions.
     with_dist_info(vllm_ascend_tree, PROJECT.version)
     other = next(path for path, (_, v) in manifest_versions().items() if v != PROJECT.version)
