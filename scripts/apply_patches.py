@@ -413,7 +413,7 @@ def interrupted_summary(pending: Pending, target: Target) -> tuple[str, str]:
     operation = pending.operation
     finish = "apply" if pending.applied_side == AFTER else "revert"
     undo = "revert" if finish == "apply" else "apply"
-    return (f"{operation} interrupted ({done} of {total} files changed, started "
+    return (f"interrupted {operation} ({done} of {total} files changed, started "
             f"{pending.record['started']})",
             f"`{finish}` finishes it, `{undo}` rolls it back")
 
@@ -432,8 +432,9 @@ def recover(state: StateDir, target: Target, applied: bool, dry_run: bool) -> st
     try:
         backup, found = state.recover(pending, side)
     except JournalError as error:
-        raise ApplyError(f"found an {summary} and could not {how.split()[0]} it: {error}; fix "
-                         f"the cause and run this command again") from None
+        verb = "finish" if side == AFTER else "roll back"
+        raise ApplyError(f"found an {summary} and could not {verb} it: {error}; fix the cause "
+                         "and run this command again") from None
     print(f"found an {summary}: {how} it (journal kept in {backup})", flush=True)
     for path in found:
         print(f"{path} had changed since; that version is kept in {backup / 'found' / path}",

@@ -7,7 +7,7 @@ one manifest per vllm-ascend release (``patches/vllm-ascend-v<version>.toml``); 
 repository file goes to which vllm-ascend path and in which commit; this script builds a
 throw-away git repository holding the pristine vllm-ascend files the series touches, commits the
 mapped files on top, and runs ``git format-patch``. Without ``--manifest`` it uses the manifest
-whose ``[base] version`` is the installed vllm-ascend's.
+whose ``[base] version`` is the installed vllm-ascend's (or the release it is a post-release of).
 
 Pristine sources come from PyPI artefacts only (CI has no GitHub access): the installed
 vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel

@@ -150,7 +150,7 @@ def test_the_same_command_again_finishes_what_a_kill_interrupted(bench: Bench,
         assert bench.journal_pending(), steps[number - 1]
         again = call_tool(command, *bench.args)
         assert again.returncode == 0, again.stderr
-        assert f"found an {command} interrupted" in again.stdout and "finished it" in again.stdout
+        assert f"found an interrupted {command}" in again.stdout and "finished it" in again.stdout
         assert snapshot(bench.tree) == expected, (number, steps[number - 1])
 
 
