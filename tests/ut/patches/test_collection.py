@@ -15,8 +15,10 @@ from export_patches import REPO_ROOT
 from release_manifest import PROJECT, needs_release
 
 HERE = Path(__file__).parent
-# The quick modules (the kill trials would only repeat what they test here).
-MODULES = ["test_apply_patches.py", "test_export_patches.py", "test_download.py"]
+# Both modules are collected (imports included); of their tests, those that need the installed
+# release run (or skip), not the slow ones that work on this repository alone.
+MODULES = ["test_apply_patches.py", "test_export_patches.py"]
+SELECT = "not the_project_manifest_classifies and not the_project_tests_import"
 
 
 def _pytest_seeing(version: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -29,7 +31,8 @@ def _pytest_seeing(version: str, tmp_path: Path) -> subprocess.CompletedProcess[
         filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
     pytest_bin = Path(sys.executable).with_name("pytest")
     return subprocess.run([str(pytest_bin), "-q", "-rs", "-p", "no:cacheprovider",
-                           f"--basetemp={tmp_path / 'nested'}", *(str(HERE / m) for m in MODULES)],
+                           f"--basetemp={tmp_path / 'nested'}", "-k", SELECT,
+                           *(str(HERE / m) for m in MODULES)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True)
 
 
