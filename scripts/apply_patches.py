@@ -631,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="revert: restore the release's files even where they were edited "
                              "after the apply (the edited files are backed up first)")
     args = parser.parse_args(argv)
+    if args.force and args.command != "revert":
+        parser.error("--force is an option of revert")
+    if args.keep_backups < 1:
+        parser.error("--keep-backups must be at least 1")
     try:
         target = find_target(args.target, args.installed)
         ctx = Context(target, state_for(target, args.state_dir, args.keep_backups),
