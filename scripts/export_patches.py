@@ -7,12 +7,13 @@ one manifest per vllm-ascend release (``patches/vllm-ascend-v<version>.toml``); 
 repository file goes to which vllm-ascend path and in which commit; this script builds a
 throw-away git repository holding the pristine vllm-ascend files the series touches, commits the
 mapped files on top, and runs ``git format-patch``. Without ``--manifest`` it uses the manifest
-whose ``[base] version`` is the installed vllm-ascend's.
+whose ``[base] version`` is the installed vllm-ascend's (or the release it is a post-release of).
 
 Pristine sources come from PyPI artefacts only (CI has no GitHub access): the installed
 vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel
-fetched with ``pip download``. The wheel holds ``vllm_ascend/`` but no ``tests/``; the series only
-*adds* files under ``tests/``, and ``--checkout`` verifies ``git am`` against a real tag checkout.
+fetched with ``pip download`` (its sha256 checked against the package index's before any use).
+The wheel holds ``vllm_ascend/`` but no ``tests/``; the series only *adds* files under ``tests/``,
+and ``--checkout`` verifies ``git am`` against a real tag checkout.
 
     scripts/export_patches.py                    regenerate patches/<series>/
     scripts/export_patches.py --check            exit 1 if patches/ is stale or does not apply
@@ -26,6 +27,7 @@ import base64
 import fnmatch
 import hashlib
 import importlib.metadata as metadata
+import json
 import os
 import re
 import shutil
@@ -113,11 +115,38 @@ def manifest_versions(patches_dir: Path = PATCHES_DIR) -> dict[Path, tuple[str, 
     return found
 
 
+# A release ("0.23.0"), or a build of one that changes no source by design: a post-release
+# ("0.23.0.post1") or a local build ("0.23.0+cpu"). Pre-releases and dev builds are other releases.
+_RELEASE = re.compile(r"v?(\d+\.\d+\.\d+)((?:\.post\d+)?(?:\+[0-9A-Za-z.]+)?)")
+
+
+def base_release(version: str) -> str | None:
+    """The release a version is, or follows ("0.23.0.post1" -> "0.23.0"); None when unparsable."""
+    match = _RELEASE.fullmatch(version.strip())
+    return match.group(1) if match else None
+
+
+def manifests_for(version: str, distribution: str,
+                  available: dict[Path, tuple[str, str]]) -> tuple[list[Path], bool]:
+    """The manifests for ``version``: those naming it exactly, else (second item True) those
+    naming the release it follows. A follow-up release is only *probably* unchanged: whoever
+    uses such a manifest must check the files it touches (apply_patches does)."""
+    exact = [path for path, (dist, v) in available.items()
+             if dist == distribution and v == version]
+    if exact:
+        return exact, False
+    base = base_release(version)
+    derived = [path for path, (dist, v) in available.items()
+               if dist == distribution and base is not None and v == base]
+    return derived, bool(derived)
+
+
 def default_manifest(patches_dir: Path = PATCHES_DIR) -> Path:
     """The manifest whose ``[base]`` names the vllm-ascend release installed here.
 
     The series only applies to the release it was cut against, so the installed distribution,
-    not a version written into this script, picks it.
+    not a version written into this script, picks it. A post-release or local build of that
+    release picks it too; the pristine files then come from the release's wheel (PristineSource).
     """
     available = manifest_versions(patches_dir)
     installed: dict[str, str | None] = {}
@@ -126,7 +155,10 @@ def default_manifest(patches_dir: Path = PATCHES_DIR) -> Path:
             installed[distribution] = metadata.version(distribution)
         except metadata.PackageNotFoundError:
             installed[distribution] = None
-    matching = [path for path, (dist, version) in available.items() if installed[dist] == version]
+    matching = []
+    for distribution, version in installed.items():
+        if version is not None:
+            matching += manifests_for(version, distribution, available)[0]
     if len(matching) == 1:
         return matching[0]
     listing = "\n  ".join(f"{path.name} ({dist} {version})"
@@ -288,21 +320,60 @@ class PristineSource:
         return self._wheel
 
 
+def _pip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+                          capture_output=True, text=True)
+
+
+def index_sha256(requirement: str) -> str:
+    """The sha256 the package index publishes for the wheel pip would fetch for requirement.
+
+    ``pip install --dry-run --report`` resolves from the index's metadata without installing
+    anything (no dependencies, whatever is installed here).
+    """
+    result = _pip("install", "--dry-run", "--no-deps", "--ignore-installed", "--only-binary=:all:",
+                  "-q", "--report", "-", requirement)
+    try:
+        (item,) = json.loads(result.stdout)["install"]
+        archive = item["download_info"]["archive_info"]
+        digest = archive.get("hashes", {}).get("sha256") or archive["hash"].split("sha256=", 1)[1]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ExportError(f"could not learn the sha256 of {requirement} from the package index "
+                          f"(pip install --dry-run --report):\n{result.stderr.strip()}") from None
+    return digest
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def download_wheel(requirement: str, dest: Path) -> Path:
-    """``pip download`` the release wheel (no dependencies) into dest; reused when present."""
+    """The release wheel (no dependencies) in dest, its sha256 checked against the index's.
+
+    A wheel already in dest is reused only when its hash matches (dest may be a shared temporary
+    directory: anything could have put a file there); otherwise it is removed and the wheel is
+    downloaded again, into a fresh directory, and checked the same way before it is moved in.
+    """
     name, version = requirement.split("==")
     stem = f"{name.replace('-', '_')}-{version}-"
-    cached = sorted(dest.glob(f"{stem}*.whl"))
-    if cached:
-        return cached[0]
+    expected = index_sha256(requirement)
+    for cached in sorted(dest.glob(f"{stem}*.whl")):
+        if file_sha256(cached) == expected:
+            return cached
+        cached.unlink()
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    cached = sorted(dest.glob(f"{stem}*.whl"))
-    if result.returncode != 0 or not cached:
-        raise ExportError(f"could not download {requirement} with pip:\n{result.stderr.strip()}")
-    return cached[0]
+    with tempfile.TemporaryDirectory(dir=dest) as fresh:
+        result = _pip("download", "--no-deps", "--only-binary=:all:", "-q", "-d", fresh,
+                      requirement)
+        wheels = sorted(Path(fresh).glob(f"{stem}*.whl"))
+        if result.returncode != 0 or len(wheels) != 1:
+            raise ExportError(f"could not download {requirement} with pip:\n"
+                              f"{result.stderr.strip()}")
+        actual = file_sha256(wheels[0])
+        if actual != expected:
+            raise ExportError(f"the downloaded {wheels[0].name} has sha256 {actual}, but the "
+                              f"package index publishes {expected}: not using it")
+        return Path(shutil.move(wheels[0], dest / wheels[0].name))
 
 
 # ------------------------------------------------------------------------------ git machinery

@@ -3,20 +3,40 @@
 The pristine side is real: the installed vllm-ascend release's files (checked against the
 distribution's RECORD); the synthetic manifest follows the project's manifest for that release
 (see release_manifest.py). The repository side is a few files written per test, so the tests do
-not depend on what other work is in the tree.
+not depend on what other work is in the tree. Tests that need the installed release skip, with the
+reason, when it is not exactly a release the project has a manifest for.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib.metadata as metadata
 from pathlib import Path
 
 import pytest
 from export_patches import Manifest, PristineSource, generate, load_manifest, resolve
-from release_manifest import FILES, INIT, MANIFEST, PROJECT, WIRING_SOURCE
+from release_manifest import FILES, INIT, MANIFEST, PROJECT, UNAVAILABLE, WIRING_SOURCE
+from tool_runner import with_dist_info
+
+
+@pytest.fixture(autouse=True)
+def state_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test's journals and backups go to its own directory (never the user's)."""
+    root = tmp_path / "state"
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_STATE_DIR", str(root))
+    return root
+
+
+def _require_release() -> Manifest:
+    if PROJECT is None:
+        pytest.skip(UNAVAILABLE)
+    return PROJECT
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
+    _require_release()
     root = tmp_path / "repo"
     for path, text in FILES.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
@@ -31,12 +51,31 @@ def manifest(repo: Path) -> Manifest:
     return load_manifest(repo / "patches" / "series.toml")
 
 
+def _record_intact(project: Manifest, paths: list[str]) -> str | None:
+    """Why the installed distribution cannot serve as the pristine release (None: it can)."""
+    installed = metadata.version(project.distribution)
+    if installed != project.version:
+        return (f"installed {project.distribution} {installed} is not exactly {project.version}: "
+                "its pristine files would have to be downloaded (unit tests stay offline)")
+    dist = metadata.distribution(project.distribution)
+    hashes = {str(f): f.hash.value for f in dist.files or [] if f.hash is not None}
+    for path in paths:
+        content = Path(dist.locate_file(path)).read_bytes()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+        if hashes.get(path) != digest:
+            return f"installed {path} is not the released file (RECORD hash differs)"
+    return None
+
+
 @pytest.fixture(scope="session")
 def pristine() -> PristineSource:
-    source = PristineSource(PROJECT)
-    # Guard: these tests need the installed, unmodified release (no network in unit tests).
+    project = _require_release()
+    # These tests need the installed, unmodified release (no network in unit tests).
+    reason = _record_intact(project, [INIT, WIRING_SOURCE])
+    if reason:
+        pytest.skip(reason)
+    source = PristineSource(project)
     assert source.read(INIT) is not None
-    assert source.origin.startswith("installed"), source.origin
     return source
 
 
@@ -62,3 +101,10 @@ def vllm_ascend_tree(tmp_path: Path, pristine: PristineSource) -> Path:
         (root / path).write_bytes(content)
     (root / "vllm_ascend" / "core").mkdir()
     return root
+
+
+@pytest.fixture
+def site_packages(vllm_ascend_tree: Path) -> Path:
+    """The same files as an installed vllm-ascend: a dist-info naming the release."""
+    assert PROJECT is not None
+    return with_dist_info(vllm_ascend_tree, PROJECT.version)

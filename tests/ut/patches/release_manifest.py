@@ -4,6 +4,10 @@ The synthetic series of these tests does to the pristine files what the project'
 the installed vllm-ascend release does (its ``__init__`` edits, where the wiring module goes, how
 test imports are rewritten), so the same tests run on every release line the project has a
 manifest for. A module of its own (not conftest.py) so test files can import it unambiguously.
+
+When no manifest matches the installed vllm-ascend, importing this still works: ``PROJECT`` is None,
+``UNAVAILABLE`` says why, and the tests that need the release are skipped with that reason (a
+failure here must never stop the collection of the whole suite).
 """
 
 from __future__ import annotations
@@ -11,10 +15,9 @@ from __future__ import annotations
 import json
 import textwrap
 
-from export_patches import Manifest, PatchSpec, _matches, load_manifest
+import pytest
+from export_patches import ExportError, Manifest, PatchSpec, _matches, load_manifest
 
-# The project's manifest for the installed vllm-ascend release (the tools' default too).
-PROJECT = load_manifest()
 INIT = "vllm_ascend/patch/platform/__init__.py"
 WIRING_SOURCE = "vllm_ascend/patch/platform/patch_balance_schedule.py"
 
@@ -34,21 +37,13 @@ def _test_patch(manifest: Manifest) -> PatchSpec:
     return spec
 
 
-WIRING_TARGET = wiring_target(PROJECT)
-INIT_EDITS = tuple(edit for spec in PROJECT.patches for edit in spec.edits if edit.path == INIT)
-# The line of the edited __init__ that calls register() (what a conflict must show).
-REGISTER_CALL = next(line for edit in INIT_EDITS for line in edit.replace.splitlines()
-                     if "register" in line and line.rstrip().endswith("()"))
-NEW_FILES = ["vllm_ascend/core/balance_example.py", "tests/ut/core/test_example.py",
-             "tests/ut/core/helper.py"] + ([WIRING_TARGET] if WIRING_TARGET != WIRING_SOURCE else [])
-
-
 def _toml(value: str) -> str:
     # JSON's string escapes (\n, \", \\, \uXXXX) are all TOML basic-string escapes.
     return json.dumps(value)
 
 
 def _synthetic_manifest() -> str:
+    assert PROJECT is not None
     edits = "".join(f"[[patch.edit]]\npath = {_toml(e.path)}\nfind = {_toml(e.find)}\n"
                     f"replace = {_toml(e.replace)}\n" for e in INIT_EDITS)
     rewrites = ", ".join(f"{{ find = {_toml(r.find)}, replace = {_toml(r.replace)} }}"
@@ -90,7 +85,27 @@ def _synthetic_manifest() -> str:
         ''')
 
 
-MANIFEST = _synthetic_manifest()
+# The project's manifest for the installed vllm-ascend release (the tools' default too).
+try:
+    PROJECT: Manifest | None = load_manifest()
+    UNAVAILABLE: str | None = None
+except ExportError as error:
+    PROJECT = None
+    UNAVAILABLE = f"no patch manifest for the installed vllm-ascend: {error}".replace("\n", " ")
+needs_release = pytest.mark.skipif(PROJECT is None, reason=UNAVAILABLE or "")
+
+if PROJECT is not None:
+    WIRING_TARGET = wiring_target(PROJECT)
+    INIT_EDITS = tuple(edit for spec in PROJECT.patches for edit in spec.edits if edit.path == INIT)
+    # The line of the edited __init__ that calls register() (what a conflict must show).
+    REGISTER_CALL = next(line for edit in INIT_EDITS for line in edit.replace.splitlines()
+                         if "register" in line and line.rstrip().endswith("()"))
+    NEW_FILES = ["vllm_ascend/core/balance_example.py", "tests/ut/core/test_example.py",
+                 "tests/ut/core/helper.py"] + (
+                     [WIRING_TARGET] if WIRING_TARGET != WIRING_SOURCE else [])
+    MANIFEST = _synthetic_manifest()
+else:  # every test that uses these is skipped (needs_release, or the fixtures of conftest.py)
+    WIRING_TARGET = INIT_EDITS = REGISTER_CALL = NEW_FILES = MANIFEST = None  # type: ignore
 
 FILES = {
     "vllm_ascend/core/balance_example.py": '"""Example."""\nVALUE = 1\n',

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import importlib.metadata as metadata
 import shutil
 import subprocess
 import sys
@@ -18,11 +19,13 @@ from export_patches import (
     ExportError,
     Manifest,
     PristineSource,
+    base_release,
     check,
     default_manifest,
     generate,
     load_manifest,
     manifest_versions,
+    manifests_for,
     resolve,
 )
 from release_manifest import (
@@ -31,6 +34,7 @@ from release_manifest import (
     PROJECT,
     WIRING_SOURCE,
     WIRING_TARGET,
+    needs_release,
     wiring_target,
 )
 
@@ -50,6 +54,7 @@ def _imports_wiring(test_file: bytes, wiring_target: str) -> bool:
                for node in ast.walk(ast.parse(test_file)))
 
 
+@needs_release
 def test_there_is_a_manifest_for_the_installed_release() -> None:
     assert default_manifest() == PROJECT.path
     assert len(PROJECT_MANIFESTS) >= 2  # one per release line
@@ -118,17 +123,32 @@ def test_a_form_the_rewrites_miss_is_refused_by_file_and_line(repo: Path,
     resolve(bare, repo)
 
 
+@needs_release
 def test_the_default_manifest_is_the_installed_releases(tmp_path: Path) -> None:
     assert manifest_versions()[default_manifest()] == (PROJECT.distribution, PROJECT.version)
     other = tmp_path / "vllm-ascend-v0.0.1.toml"
     other.write_text(PROJECT.path.read_text().replace(
         f'version = "{PROJECT.version}"', 'version = "0.0.1"', 1))
+    installed = metadata.version(PROJECT.distribution)  # the release, or a post-release of it
     with pytest.raises(ExportError, match=r"no manifest matches the installed release "
-                                          rf"\(vllm-ascend {PROJECT.version}\)(.|\n)*"
+                                          rf"\(vllm-ascend {installed}\)(.|\n)*"
                                           r"vllm-ascend-v0.0.1.toml \(vllm-ascend 0.0.1\)"):
         default_manifest(tmp_path)
     shutil.copy(PROJECT.path, tmp_path / PROJECT.path.name)
     assert default_manifest(tmp_path) == tmp_path / PROJECT.path.name
+
+
+def test_a_post_release_or_local_build_follows_its_release_and_nothing_else_does() -> None:
+    assert base_release("0.23.0") == "0.23.0"
+    assert base_release("0.23.0.post1") == base_release("0.23.0+cpu") == "0.23.0"
+    assert base_release("v0.18.0.post2") == "0.18.0"
+    assert base_release("0.23.0rc1") is None and base_release("0.24.0.dev3+g1234") is None
+    available = {Path("a.toml"): ("vllm-ascend", "0.18.0"), Path("b.toml"): ("vllm-ascend", "0.23.0"),
+                 Path("c.toml"): ("other", "0.23.0")}
+    assert manifests_for("0.23.0", "vllm-ascend", available) == ([Path("b.toml")], False)
+    assert manifests_for("0.23.0.post1", "vllm-ascend", available) == ([Path("b.toml")], True)
+    assert manifests_for("0.23.1", "vllm-ascend", available) == ([], False)
+    assert manifests_for("0.23.0rc1", "vllm-ascend", available) == ([], False)
 
 
 def test_an_unclassified_file_is_refused_by_name(repo: Path, manifest: Manifest) -> None:
@@ -232,6 +252,7 @@ def test_installed_pristine_source_ignores_files_other_distributions_added(
     assert content is not None and b"class BalanceScheduler(Scheduler)" in content
 
 
+@needs_release
 def test_a_wheel_is_read_when_given(tmp_path: Path) -> None:
     wheel = tmp_path / f"vllm_ascend-{PROJECT.version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
