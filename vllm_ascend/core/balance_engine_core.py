@@ -104,21 +104,34 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
 
 
 def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:
-    """What every rank of a DP group must share: the cap the gate compares with and the gate's code."""
-    sources = b"".join(Path(module.__file__).read_bytes() for module in (balance_scheduler, balance_seam))
+    """What every rank of a DP group must share: the cap the gate compares with, and the code of the gate and the
+    gather (two ranks of different package versions but the same code agree)."""
+    paths = (balance_scheduler.__file__, balance_seam.__file__, __file__)
+    sources = b"".join(Path(path).read_bytes() for path in paths)
     return {"cap": vllm_config.scheduler_config.max_num_seqs, "code": hashlib.sha256(sources).hexdigest()[:12]}
 
 
 def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> None:
     """Publish this rank's settings under its own key and wait (bounded) until every rank's match them."""
     size, mine = vllm_config.parallel_config.data_parallel_size, balance_settings(vllm_config)
-    timeout_s = float(os.environ.get(AGREEMENT_TIMEOUT_ENV, "60"))
+    raw_timeout = os.environ.get(AGREEMENT_TIMEOUT_ENV, "60")
+    try:
+        timeout_s = float(raw_timeout)
+    except ValueError:
+        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw_timeout!r} is not a number of seconds.") from None
     store.set(f"{_AGREEMENT_KEY}{rank}", json.dumps(mine))
     keys = [f"{_AGREEMENT_KEY}{peer}" for peer in range(size)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    missing = [peer for peer, key in enumerate(keys) if not store.check([key])]
+    _wait_for(store, keys, timeout_s)
+    theirs = {peer: json.loads(store.get(key)) for peer, key in enumerate(keys) if store.check([key])}
+    missing = [peer for peer in range(size) if peer not in theirs]
+    differ = {peer: {k: v for k, v in s.items() if v != mine.get(k)} for peer, s in theirs.items() if s != mine}
+    store.set(f"{_AGREEMENT_KEY}{rank}/read", "1")
+    if not (missing or differ):
+        logger.info("Balance scheduling: all %d DP ranks agree on %s.", size, mine)
+        return
+    if rank == 0:
+        # Rank 0 hosts the store: leaving before every announced peer has read it would cut their check short.
+        _wait_for(store, [f"{_AGREEMENT_KEY}{peer}/read" for peer in theirs], timeout_s)
     if missing:
         raise RuntimeError(
             f"Balance scheduling: DP rank {rank} runs balance scheduling, but DP rank(s) {missing} did not announce "
@@ -126,12 +139,14 @@ def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> Non
             "the same switch (VLLM_ASCEND_BALANCE_SCHEDULING / additional_config['enable_balance_scheduling']), the "
             "same package, and 'ascend_balance_scheduling' in VLLM_PLUGINS if set, on every node."
         )
-    theirs = {peer: json.loads(store.get(key)) for peer, key in enumerate(keys)}
-    differ = {peer: settings for peer, settings in theirs.items() if settings != mine}
-    if differ:
-        raise RuntimeError(
-            f"Balance scheduling: DP rank {rank} has {mine}, but rank(s) differ: {differ} ('cap' is max_num_seqs, "
-            "'code' the balance scheduling code). Use the same --max-num-seqs and the same package version on every "
-            "node."
-        )
-    logger.info("Balance scheduling: all %d DP ranks agree on %s.", size, mine)
+    raise RuntimeError(
+        f"Balance scheduling: DP rank {rank} has {mine}, but DP rank(s) differ: {differ} ('cap' is max_num_seqs, "
+        "'code' a digest of the balance scheduling code). Use the same --max-num-seqs and the same package on every "
+        "node."
+    )
+
+
+def _wait_for(store: Any, keys: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
