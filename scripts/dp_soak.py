@@ -13,6 +13,13 @@ Prints one JSON summary line ``{"submitted", "finished", "gathers_per_rank", "ma
 "hung", "seconds", ...}`` and exits 1 on a hang (watchdog: no result within --timeout), a lost or
 duplicated request, unequal gather counts, ranks that gathered different values, a rank whose
 own gathered slot is not its running count, or a request admitted while the gate was closed.
+
+    python scripts/dp_soak.py --dp 4 --stock-ranks 1,3
+
+runs the given ranks as stock vLLM (a node without balance scheduling): the start-up agreement
+must refuse the group on every balanced rank and every process must exit. The summary is then
+``{"stock_ranks", "refused", "refusals", "seconds_to_last_exit", "stock_failed_after_s", "hung",
+"ok", "problems"}`` (``VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S`` bounds the agreement's wait).
 """
 
 from __future__ import annotations
@@ -52,8 +59,13 @@ def _configs(model_dir: Path, dp: int) -> dict[str, Any]:
 
 
 def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
-             model_dir: Path | None = None, start_method: str = "fork") -> dict[str, Any]:
-    """Run the soak; return the summary (``ok`` False and ``problems`` listed on failure)."""
+             model_dir: Path | None = None, start_method: str = "fork",
+             stock_ranks: tuple[int, ...] = (), stall_rank: int | None = None) -> dict[str, Any]:
+    """Run the soak; return the summary (``ok`` False and ``problems`` listed on failure).
+
+    ``stock_ranks``: ranks that run vLLM's stock engine class (the mismatch run).
+    ``stall_rank`` (for the watchdog's test): a rank that never joins, so the run hangs by construction.
+    """
     os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
     os.environ.setdefault("VLLM_PLUGINS", "ascend_balance_scheduling")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -65,6 +77,8 @@ def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
 
     if dp < 2:
         raise SystemExit("--dp must be at least 2 (DP lockstep needs peers)")
+    if stock_ranks and not (set(stock_ranks) < set(range(dp))):
+        raise SystemExit(f"--stock-ranks must name some, not all, of the ranks 0..{dp - 1}")
     scenarios = list(SCENARIOS) if scenario == "all" else [scenario]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dp-soak-") as scratch:
@@ -77,24 +91,60 @@ def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
         paths = [Path(scratch) / f"rank{r}.json" for r in range(dp)]
         processes = [context.Process(
             target=rank_main, name=f"dp-soak-rank{r}",
-            args=(r, dp, port, configs, scenarios, requests, seed, timeout, str(paths[r])))
+            args=(r, dp, port, configs, scenarios, requests, seed, str(paths[r]), r in stock_ranks,
+                  r == stall_rank))
             for r in range(dp)]
+        launched = time.monotonic()
         for process in processes:
             process.start()
         deadline = started + timeout
         for process in processes:
             process.join(max(deadline - time.monotonic(), 0.1))
+        last_exit = time.monotonic() - launched
         hung = [p.name for p in processes if p.is_alive()]
         for process in processes:
             if process.is_alive():  # only the processes started above, by their handle
                 process.kill()
                 process.join()
         results = [json.loads(p.read_text()) if p.exists() else None for p in paths]
+    if stock_ranks:
+        summary = summarize_mismatch(results, list(stock_ranks), hung)
+        summary["seconds_to_last_exit"] = None if hung else round(last_exit, 1)
+        return summary
     summary = summarize(results, scenarios, hung)
     summary["seconds"] = round(time.monotonic() - started, 1)
     summary["start_method"] = start_method
     summary["rank_run_seconds"] = [r.get("run_seconds") if r else None for r in results]
     return summary
+
+
+def summarize_mismatch(results: list[dict[str, Any] | None], stock_ranks: list[int],
+                       hung: list[str]) -> dict[str, Any]:
+    """A group with stock ranks: every balanced rank must be refused by the agreement, and every
+    stock rank must fail (at its first collective, when the balanced ranks are gone)."""
+    problems: list[str] = [f"{name} still running at the timeout (killed)" for name in hung]
+    refusals: dict[int, str] = {}
+    for rank, result in enumerate(results):
+        error = (result or {}).get("error")
+        last_line = error.strip().splitlines()[-1] if error else None
+        if result is None:
+            problems.append(f"rank {rank} wrote no result")
+        elif rank in stock_ranks:
+            if error is None:
+                problems.append(f"stock rank {rank} did not fail")
+        elif last_line and last_line.startswith("RuntimeError: Balance scheduling: DP rank"):
+            refusals[rank] = last_line
+        else:
+            problems.append(f"balanced rank {rank} was not refused by the agreement: {last_line}")
+    ended = {rank: r["ended"] for rank, r in enumerate(results) if r is not None}
+    balanced_ended = [at for rank, at in ended.items() if rank not in stock_ranks]
+    stock_ended = [at for rank, at in ended.items() if rank in stock_ranks]
+    refused = len(refusals) == len(results) - len(stock_ranks)
+    return {"stock_ranks": stock_ranks, "refused": refused, "refusals": refusals,
+            "seconds_to_last_exit": None,
+            "stock_failed_after_s": round(max(stock_ended) - max(balanced_ended), 2)
+            if stock_ended and balanced_ended else None,
+            "hung": bool(hung), "ok": not problems, "problems": problems}
 
 
 def summarize(results: list[dict[str, Any] | None], scenarios: list[str],
@@ -162,9 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="watchdog: seconds until unfinished ranks count as hung")
     parser.add_argument("--start-method", default="fork", choices=["fork", "spawn"],
                         help="how rank processes start (spawn: each imports vLLM itself)")
+    parser.add_argument("--stock-ranks", default="",
+                        help="comma-separated ranks running stock vLLM (e.g. 1,3): the start-up "
+                             "agreement must refuse the group, no process may hang")
     args = parser.parse_args(argv)
+    stock_ranks = tuple(int(rank) for rank in args.stock_ranks.split(",") if rank.strip())
     summary = run_soak(args.dp, args.requests, args.seed, args.scenario, args.timeout,
-                       start_method=args.start_method)
+                       start_method=args.start_method, stock_ranks=stock_ranks)
     print(json.dumps(summary))
     return 0 if summary["ok"] else 1
 

@@ -6,7 +6,10 @@ core's real methods on a ``BalanceDPEngineCoreProc`` built without executor, ZMQ
 ``_handle_client_request`` (ADD, START_DP_WAVE), ``_process_engine_step`` (vLLM's
 ``EngineCore.step``: schedule, execute, update), ``execute_dummy_batch`` and the hook's
 ``_has_global_unfinished_reqs``, which calls vLLM's (an all-reduce every 32 steps) and then
-``balance_gather`` over the real gloo group.
+``balance_gather`` over the real gloo group. That group and its store are created by the engine
+class's own ``_init_data_parallel`` (vLLM's, plus the balanced class's start-up agreement); with
+``--stock-ranks`` the given ranks run vLLM's stock ``DPEngineCoreProc`` there instead, so the
+agreement must refuse the group.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import hashlib
 import json
 import os
 import queue
+import threading
 import time
 import traceback
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,39 +29,63 @@ from soak.plan import RequestSpec, Wave, build_plan, split_requests
 
 
 def rank_main(rank: int, dp: int, port: int, configs: dict[str, Any], scenarios: list[str],
-              requests: int, seed: int, timeout: float, result_path: str) -> None:
-    """Process entry: run every scenario, write a JSON result (or the error) to result_path."""
+              requests: int, seed: int, result_path: str, stock: bool = False,
+              stall: bool = False) -> None:
+    """Process entry: run every scenario, write a JSON result (or the error) to result_path.
+
+    ``stock``: this rank runs vLLM's own ``DPEngineCoreProc`` (a node without balance scheduling).
+    ``stall`` (the watchdog's test): this rank waits forever before joining the DP group, so the
+    whole group blocks by construction.
+    """
     try:
-        result = _run(rank, dp, port, configs, scenarios, requests, seed, timeout)
+        if stall:
+            threading.Event().wait()
+        result = _run(rank, dp, port, configs, scenarios, requests, seed, stock)
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the soak
         result = {"rank": rank, "error": traceback.format_exc()}
+    result["ended"] = time.monotonic()  # CLOCK_MONOTONIC: comparable across the ranks
     Path(result_path).write_text(json.dumps(result))
     # Skip interpreter teardown (gloo / vLLM atexit work is irrelevant to the result).
     os._exit(0)
 
 
 def _run(rank: int, dp: int, port: int, configs: dict[str, Any], scenarios: list[str],
-         requests: int, seed: int, timeout: float) -> dict[str, Any]:
-    import torch.distributed as dist
+         requests: int, seed: int, stock: bool) -> dict[str, Any]:
+    from vllm.config import ParallelConfig
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
     from vllm.plugins import load_general_plugins
-
+    from vllm.v1.engine.core import DPEngineCoreProc
     from vllm_ascend_balance.patch_balance_schedule import register
+
+    from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
 
     load_general_plugins()  # as EngineCore.__init__ does: the balance plugin wires the scheduler
     # A forked rank inherits plugins_loaded from its parent, which may have loaded them with the
     # flag off (e.g. a test process): the plugin's idempotent entry point makes sure.
     register()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=dp, timeout=timedelta(seconds=timeout))
+    for config in configs.values():  # this rank's place in the group, as vLLM's launcher sets it
+        parallel = config.parallel_config
+        parallel.data_parallel_rank = parallel.data_parallel_rank_local = rank
+        parallel.data_parallel_master_ip, parallel.data_parallel_master_port = "127.0.0.1", port
+        parallel._data_parallel_master_port_list = []
+    # The DP group and its store exactly as vLLM's engine core creates them, before its model
+    # loads (on a balanced rank this includes the start-up agreement of the DP group).
+    engine_cls = DPEngineCoreProc if stock else BalanceDPEngineCoreProc
+    group_owner = object.__new__(engine_cls)
+    engine_cls._init_data_parallel(group_owner, configs["plain"])
+    if stock:
+        # A stock rank's first collective in its busy loop: vLLM's all_reduce alone.
+        ParallelConfig.has_unfinished_dp(group_owner.dp_group, True)
+        return {"rank": rank, "stock": True}
     started = time.monotonic()
     result: dict[str, Any] = {"rank": rank, "scenarios": {}}
     for scenario, count in split_requests(scenarios, requests).items():
         config = configs["kv" if scenario == "blocked" else "plain"]
         plan = build_plan(scenario, dp, count, seed)
         result["scenarios"][scenario] = _run_scenario(rank, dp, config, plan,
-                                                      dist.group.WORLD)
+                                                      group_owner.dp_group)
     result["run_seconds"] = round(time.monotonic() - started, 1)
-    dist.destroy_process_group()
+    stateless_destroy_torch_distributed_process_group(group_owner.dp_group)
     return result
 
 

@@ -27,16 +27,32 @@ only that method, so the gather follows whatever the installed vLLM's loop does
 
 The gather runs after the step's ``update_from_output``, so ``balance_queue`` holds each rank's
 ``len(running)`` at the end of the previous step when the next ``schedule()`` reads it.
+
+Every rank of the DP group must run the gather, or the collectives pair up wrongly and every rank hangs. With
+several nodes (or external load balancing) each rank decides alone, so before the model loads each balanced rank
+publishes its settings in the DP group's key-value store and waits, bounded, for every other rank's: a rank that
+does not run balance scheduling never publishes (a collective would pair with its first ``all_reduce`` and hang
+exactly as a mismatch does), and a missing or different entry is a clear error on every balanced rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
 from typing import Any
 
+from vllm.config import VllmConfig
 from vllm.logger import logger
 from vllm.v1.engine.core import DPEngineCoreProc
 
+from vllm_ascend.core import balance_scheduler, balance_seam
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
+
+AGREEMENT_TIMEOUT_ENV = "VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S"
+_AGREEMENT_KEY = "vllm_ascend_balance_scheduling/rank"
 
 
 class BalanceDPEngineCoreProc(DPEngineCoreProc):
@@ -63,6 +79,11 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
                 "ascend_balance_scheduling plugin excluded by VLLM_PLUGINS?"
             )
 
+    def _init_data_parallel(self, vllm_config: VllmConfig) -> None:
+        super()._init_data_parallel(vllm_config)
+        # vLLM calls this before the model loads: a disagreeing group fails in seconds, not at its first step.
+        agree_across_dp_group(self.dp_store, self.dp_rank, vllm_config)
+
     def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         global_unfinished = super()._has_global_unfinished_reqs(local_unfinished)
         # Every rank reaches this line once per active iteration, so the collective matches up.
@@ -80,3 +101,52 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
                 self.balance_gathers,
                 self.scheduler.balance_gated_steps,
             )
+
+
+def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What every rank of a DP group must share: the cap the gate compares with, and the code of the gate and the
+    gather (two ranks of different package versions but the same code agree)."""
+    paths = (balance_scheduler.__file__, balance_seam.__file__, __file__)
+    sources = b"".join(Path(path).read_bytes() for path in paths)
+    return {"cap": vllm_config.scheduler_config.max_num_seqs, "code": hashlib.sha256(sources).hexdigest()[:12]}
+
+
+def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> None:
+    """Publish this rank's settings under its own key and wait (bounded) until every rank's match them."""
+    size, mine = vllm_config.parallel_config.data_parallel_size, balance_settings(vllm_config)
+    raw_timeout = os.environ.get(AGREEMENT_TIMEOUT_ENV, "60")
+    try:
+        timeout_s = float(raw_timeout)
+    except ValueError:
+        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw_timeout!r} is not a number of seconds.") from None
+    store.set(f"{_AGREEMENT_KEY}{rank}", json.dumps(mine))
+    keys = [f"{_AGREEMENT_KEY}{peer}" for peer in range(size)]
+    _wait_for(store, keys, timeout_s)
+    theirs = {peer: json.loads(store.get(key)) for peer, key in enumerate(keys) if store.check([key])}
+    missing = [peer for peer in range(size) if peer not in theirs]
+    differ = {peer: {k: v for k, v in s.items() if v != mine.get(k)} for peer, s in theirs.items() if s != mine}
+    store.set(f"{_AGREEMENT_KEY}{rank}/read", "1")
+    if not (missing or differ):
+        logger.info("Balance scheduling: all %d DP ranks agree on %s.", size, mine)
+        return
+    if rank == 0:
+        # Rank 0 hosts the store: leaving before every announced peer has read it would cut their check short.
+        _wait_for(store, [f"{_AGREEMENT_KEY}{peer}/read" for peer in theirs], timeout_s)
+    if missing:
+        raise RuntimeError(
+            f"Balance scheduling: DP rank {rank} runs balance scheduling, but DP rank(s) {missing} did not announce "
+            f"it within {timeout_s:g} s ({AGREEMENT_TIMEOUT_ENV} sets the wait). Every rank must run it, or none: "
+            "the same switch (VLLM_ASCEND_BALANCE_SCHEDULING / additional_config['enable_balance_scheduling']), the "
+            "same package, and 'ascend_balance_scheduling' in VLLM_PLUGINS if set, on every node."
+        )
+    raise RuntimeError(
+        f"Balance scheduling: DP rank {rank} has {mine}, but DP rank(s) differ: {differ} ('cap' is max_num_seqs, "
+        "'code' a digest of the balance scheduling code). Use the same --max-num-seqs and the same package on every "
+        "node."
+    )
+
+
+def _wait_for(store: Any, keys: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)

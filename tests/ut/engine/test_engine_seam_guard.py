@@ -53,9 +53,10 @@ def test_installed_vllm_offers_every_engine_seam() -> None:
     assert engine_seam_problems() == []
 
 
-def test_the_hook_extends_the_gather_site_and_only_reports_at_shutdown() -> None:
+def test_the_hook_extends_the_dp_set_up_and_the_gather_site_and_only_reports_at_shutdown() -> None:
     own = {name for name in vars(BalanceDPEngineCoreProc) if not name.startswith("__")}
-    assert own == {"_has_global_unfinished_reqs", "shutdown"}
+    assert own == {"_init_data_parallel", "_has_global_unfinished_reqs", "shutdown"}
+    assert list(inspect.signature(DPEngineCoreProc._init_data_parallel).parameters) == ["self", "vllm_config"]
     assert BalanceDPEngineCoreProc.__bases__ == (DPEngineCoreProc,)
     assert "_has_global_unfinished_reqs" in vars(DPEngineCoreProc)
     assert list(inspect.signature(DPEngineCoreProc._has_global_unfinished_reqs).parameters) == [

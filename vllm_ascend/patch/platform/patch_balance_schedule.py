@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import vllm.v1.engine.core as engine_core_module
+from vllm import envs
 from vllm.config import SchedulerConfig, VllmConfig
 from vllm.logger import logger
 from vllm.utils.import_utils import resolve_obj_by_qualname
@@ -131,7 +132,7 @@ def decide(vllm_config: VllmConfig) -> bool:
             )
         enabled, source = True, source or f"set by scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}"
     if enabled:
-        _refuse_unsupported(vllm_config)
+        _refuse_unsupported(vllm_config, source)
     setattr(vllm_config.scheduler_config, _DECISION_ATTR, (enabled, source))
     return recorded_decision(vllm_config.scheduler_config)
 
@@ -159,24 +160,31 @@ def recorded_decision(scheduler_config: SchedulerConfig) -> bool:
     return enabled
 
 
-def _refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """A PD-disaggregated instance does not run the mixed prefill+decode lockstep the gate is for (upstream refuses
-    it too); Ray's DP engine actors are bound at import time, beyond the route's reach, so the gate could never
-    close."""
+def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
+    """What balance scheduling cannot serve. The gather runs in vLLM's multiprocess DP engine cores only: Ray's DP
+    engine actors are bound at import time, beyond the route's reach, and an in-process engine is no DP engine
+    core, so the gate could never close. A PD-disaggregated instance does not run the mixed prefill+decode lockstep
+    the gate is for (upstream refuses it too)."""
     parallel_config = vllm_config.parallel_config
-    if parallel_config.data_parallel_size > 1 and parallel_config.data_parallel_backend == "ray":
-        raise ValueError(
-            "Balance scheduling does not support data_parallel_backend='ray': Ray's DP engine actors never "
-            "run the per-step gather, so the gate could never close. Use the default multiprocessing DP "
-            f"backend ('mp') or {SWITCHES_OFF}."
-        )
+    no_gather = {
+        "data_parallel_backend='ray'": parallel_config.data_parallel_backend == "ray",
+        "distributed_executor_backend='external_launcher'": parallel_config.distributed_executor_backend
+        == "external_launcher",
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+    }
+    for setting, present in no_gather.items():
+        if present and parallel_config.data_parallel_size > 1:
+            raise ValueError(
+                f"Balance scheduling ({source}) does not support {setting} with data parallelism: the per-step "
+                "gather runs only in vLLM's multiprocess DP engine cores, so the gate could never close. Use the "
+                f"default multiprocessing DP engines or {SWITCHES_OFF}."
+            )
     kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None)
     if vllm_config.kv_transfer_config is not None and kv_role != "kv_both":
         raise ValueError(
-            f"Balance scheduling ({BALANCE_SCHEDULING_ENV}=1 or "
-            f"additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]=true) supports only PD-mixed serving (no "
-            f"kv_transfer_config, or kv_role='kv_both'); got kv_role={kv_role!r}. For PD-disaggregated "
-            f"(kv_producer/kv_consumer) instances, {SWITCHES_OFF}."
+            f"Balance scheduling ({source}) supports only PD-mixed serving (no kv_transfer_config, or "
+            f"kv_role='kv_both'); got kv_role={kv_role!r}. For PD-disaggregated (kv_producer/kv_consumer) "
+            f"instances, {SWITCHES_OFF}."
         )
 
 
