@@ -19,6 +19,7 @@ import ast
 import functools
 import importlib
 import inspect
+import time
 from typing import Any
 
 from vllm.logger import init_logger
@@ -29,6 +30,9 @@ from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
 # Under vLLM's "vllm" logger: vLLM configures only that hierarchy (it does not propagate), so a
 # logger named after this module alone would drop INFO records in vLLM processes.
 logger = init_logger(f"vllm.{__name__}")
+
+# How often a running engine reports its gate statistics (and once more at shutdown).
+STATS_INTERVAL_S = 30.0
 
 
 class BalanceDPEngineCoreProc(DPEngineCoreProc):
@@ -42,6 +46,8 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
         # even when a later start-up step fails.
         logger.info("Balance scheduling: this DP engine core is %s (one balance_gather per "
                     "active engine step).", type(self).__qualname__)
+        self.balance_gathers = 0
+        self._balance_stats_due = time.monotonic() + STATS_INTERVAL_S
         super().__init__(*args, **kwargs)
         if not isinstance(self.scheduler, BalanceSchedulingMixin):
             # Without a balance scheduler the gate never closes: refuse instead of running
@@ -55,7 +61,22 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
         global_unfinished = super()._has_global_unfinished_reqs(local_unfinished)
         # Every rank reaches this line once per active iteration, so the collective matches up.
         self.scheduler.balance_gather(self.dp_group)
+        self.balance_gathers += 1
+        if time.monotonic() >= self._balance_stats_due:
+            self._balance_stats_due += STATS_INTERVAL_S
+            self._log_balance_stats()
         return global_unfinished
+
+    def shutdown(self) -> None:
+        if isinstance(getattr(self, "scheduler", None), BalanceSchedulingMixin):
+            self._log_balance_stats()
+        super().shutdown()
+
+    def _log_balance_stats(self) -> None:
+        # TEMPORARY (issue 16 branch): the lead's version replaces this at merge.
+        logger.info("Balance scheduling stats: dp_rank=%d engine_steps=%d gathers=%d "
+                    "gated_steps=%d", self.dp_rank, self.balance_gathers, self.balance_gathers,
+                    self.scheduler.balance_gated_steps)
 
 
 # ---- the seams this hook relies on, checked on the installed vLLM's source (AST) ------------
