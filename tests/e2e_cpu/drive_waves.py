@@ -23,28 +23,39 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.05
-BENCH_KEYS = ("completed", "failed", "num_prompts", "duration", "total_input_tokens",
-              "total_output_tokens", "request_throughput", "max_concurrency")
+BENCH_KEYS = (
+    "completed",
+    "failed",
+    "num_prompts",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "max_concurrency",
+)
 
 
 def metric_sum(base_url: str, name: str) -> float:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
-def chat_json(base_url: str, model: str, schema: dict[str, Any], index: int,
-              timeout: float) -> dict[str, Any]:
+def chat_json(base_url: str, model: str, schema: dict[str, Any], index: int, timeout: float) -> dict[str, Any]:
     body = {
-        "model": model, "max_tokens": 96, "temperature": 0.0,
+        "model": model,
+        "max_tokens": 96,
+        "temperature": 0.0,
         "messages": [{"role": "user", "content": f"City {index} as JSON"}],
-        "response_format": {"type": "json_schema",
-                            "json_schema": {"name": "city", "schema": schema}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
     }
-    request = urllib.request.Request(f"{base_url}/v1/chat/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -71,8 +82,9 @@ class JsonSender(threading.Thread):
             if self.running_when_sent >= self.plan["min_running"]:
                 break
             time.sleep(POLL_S)
-        threads = [threading.Thread(target=self._one, args=(self.wave * 100 + i,), daemon=True)
-                   for i in range(self.count)]
+        threads = [
+            threading.Thread(target=self._one, args=(self.wave * 100 + i,), daemon=True) for i in range(self.count)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -80,8 +92,9 @@ class JsonSender(threading.Thread):
 
     def _one(self, index: int) -> None:
         try:
-            self.answers.append(chat_json(self.plan["base_url"], self.plan["model"],
-                                          self.plan["schema"], index, self.plan["timeout_s"]))
+            self.answers.append(
+                chat_json(self.plan["base_url"], self.plan["model"], self.plan["schema"], index, self.plan["timeout_s"])
+            )
         except Exception as error:  # reported to the test, which fails on it
             self.errors.append(f"JSON request {index}: {error!r}")
 
@@ -89,21 +102,41 @@ class JsonSender(threading.Thread):
 def wait_drained(base_url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (metric_sum(base_url, "vllm:num_requests_running")
-                + metric_sum(base_url, "vllm:num_requests_waiting")) == 0:
+        if (metric_sum(base_url, "vllm:num_requests_running") + metric_sum(base_url, "vllm:num_requests_waiting")) == 0:
             return
         time.sleep(POLL_S)
     raise TimeoutError(f"server still has requests {timeout:.0f} s after the burst")
 
 
 def bench_args(plan: dict[str, Any], wave: dict[str, Any], seed: int) -> list[str]:
-    return ["--backend", "openai", "--base-url", plan["base_url"], "--model", plan["model"],
-            "--tokenizer", plan["model"], "--dataset-name", "random",
-            "--random-input-len", str(wave["input_len"]),
-            "--random-output-len", str(wave["output_len"]), "--random-range-ratio", "0.5",
-            "--num-prompts", str(wave["num_prompts"]),
-            "--max-concurrency", str(wave["max_concurrency"]), "--ignore-eos",
-            "--seed", str(seed), "--ready-check-timeout-sec", "120", "--disable-tqdm"]
+    return [
+        "--backend",
+        "openai",
+        "--base-url",
+        plan["base_url"],
+        "--model",
+        plan["model"],
+        "--tokenizer",
+        plan["model"],
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(wave["input_len"]),
+        "--random-output-len",
+        str(wave["output_len"]),
+        "--random-range-ratio",
+        "0.5",
+        "--num-prompts",
+        str(wave["num_prompts"]),
+        "--max-concurrency",
+        str(wave["max_concurrency"]),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--ready-check-timeout-sec",
+        "120",
+        "--disable-tqdm",
+    ]
 
 
 def main(plan_path: str, out_path: str) -> None:

@@ -14,6 +14,7 @@ jobs starts a server in 30-120 s) and only a hang reaches them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,10 +42,14 @@ REQUEST_TIMEOUT_S = 300.0
 DRIVER_STARTUP_S = 180.0  # importing vLLM's benchmark client on a busy 2-core machine
 STOP_TIMEOUT_S = 60.0
 
-STATS_RE = re.compile(r"Balance scheduling stats: dp_rank=(\d+) engine_steps=(\d+) gathers=(\d+) "
-                      r"gated_steps=(\d+)")
-CHECK_RE = re.compile(r"Balance gate check: dp_rank=(\d+) closed_steps=(\d+) "
-                      r"admitted_while_closed=(\d+)")
+STATS_RE = re.compile(
+    r"Balance scheduling stats: dp_rank=(\d+) engine_steps=(\d+) gathers=(\d+) "
+    r"gated_steps=(\d+)"
+)
+CHECK_RE = re.compile(
+    r"Balance gate check: dp_rank=(\d+) closed_steps=(\d+) "
+    r"admitted_while_closed=(\d+)"
+)
 VIOLATION_RE = re.compile(r"Balance gate check: dp_rank=\d+ admitted .*")
 ENGINE_HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
 
@@ -65,11 +70,18 @@ def server_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)  # the config switch alone decides
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_PATH), env.get("PYTHONPATH")) if p)
-    env.update({
-        "VLLM_PLUGINS": PLUGINS, "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-    })
+    env.update(
+        {
+            "VLLM_PLUGINS": PLUGINS,
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     return env
 
 
@@ -85,16 +97,16 @@ def kill_tree(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_S) ->
         members = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         members = [proc.pid]
-    steps = ((lambda sig: os.kill(proc.pid, sig), signal.SIGTERM, timeout),
-             (lambda sig: os.killpg(proc.pid, sig), signal.SIGTERM, 10.0),
-             (lambda sig: os.killpg(proc.pid, sig), signal.SIGKILL, 10.0))
+    steps = (
+        (lambda sig: os.kill(proc.pid, sig), signal.SIGTERM, timeout),
+        (lambda sig: os.killpg(proc.pid, sig), signal.SIGTERM, 10.0),
+        (lambda sig: os.killpg(proc.pid, sig), signal.SIGKILL, 10.0),
+    )
     for send, sig, wait_s in steps:
         if not _alive(members):
             break
-        try:
+        with contextlib.suppress(ProcessLookupError):
             send(sig)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and _alive(members):
             proc.poll()  # reap the leader, so it does not linger as a zombie
@@ -131,13 +143,24 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(self.model),
-               "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         self.log_path.write_text(f"$ {' '.join(cmd)}\n")
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=server_env(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, env=server_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._started = started
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
@@ -145,8 +168,9 @@ class Server:
         deadline = self._started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {self.proc.returncode} during "
-                                     f"start-up; log tail:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"vllm serve exited with {self.proc.returncode} during start-up; log tail:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
                     if response.status == 200:
@@ -155,8 +179,7 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(1)
-        raise AssertionError(f"vllm serve not healthy within {timeout:.0f} s; log tail:\n"
-                             f"{self.log_tail()}")
+        raise AssertionError(f"vllm serve not healthy within {timeout:.0f} s; log tail:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -193,29 +216,41 @@ class Wave:
     json_requests: int = 3
 
 
-def run_waves(server: Server, waves: list[Wave], idle_gap_s: float, min_running: int,
-              workdir: Path) -> dict[str, Any]:
+def run_waves(server: Server, waves: list[Wave], idle_gap_s: float, min_running: int, workdir: Path) -> dict[str, Any]:
     """Runs ``drive_waves.py`` against ``server`` (bounded); returns what it recorded."""
-    plan = {"base_url": server.base_url, "model": str(server.model), "schema": CITY_SCHEMA,
-            "waves": [asdict(w) for w in waves], "idle_gap_s": idle_gap_s,
-            "min_running": min_running, "timeout_s": REQUEST_TIMEOUT_S}
+    plan = {
+        "base_url": server.base_url,
+        "model": str(server.model),
+        "schema": CITY_SCHEMA,
+        "waves": [asdict(w) for w in waves],
+        "idle_gap_s": idle_gap_s,
+        "min_running": min_running,
+        "timeout_s": REQUEST_TIMEOUT_S,
+    }
     plan_path, out_path, log_path = (workdir / n for n in ("plan.json", "waves.json", "waves.log"))
     plan_path.write_text(json.dumps(plan))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     bound = DRIVER_STARTUP_S + len(waves) * (REQUEST_TIMEOUT_S + idle_gap_s)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "drive_waves.py"), str(plan_path),
-                                 str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "drive_waves.py"), str(plan_path), str(out_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=bound)
         except subprocess.TimeoutExpired:
             kill_tree(proc, timeout=5)
-            raise AssertionError(f"the waves did not finish within {bound:.0f} s (a hang at a "
-                                 f"wave boundary looks like this); server log tail:\n"
-                                 f"{server.log_tail()}") from None
-    assert proc.returncode == 0, (f"drive_waves.py exited with {proc.returncode}:\n"
-                                  f"{log_path.read_text(errors='replace')[-6000:]}")
+            raise AssertionError(
+                f"the waves did not finish within {bound:.0f} s (a hang at a "
+                f"wave boundary looks like this); server log tail:\n"
+                f"{server.log_tail()}"
+            ) from None
+    assert proc.returncode == 0, (
+        f"drive_waves.py exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-6000:]}"
+    )
     return json.loads(out_path.read_text())
 
 

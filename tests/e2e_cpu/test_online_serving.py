@@ -31,13 +31,13 @@ from harness import (
     CITY_SCHEMA,
     ENGINE_HOOK_LOG,
     Server,
-    Wave,
-    json_request,
     Watchdog,
+    Wave,
     final_stats,
     free_port,
     gate_checks,
     gate_violations,
+    json_request,
     run_waves,
 )
 from tiny_model import write_tiny_moe_model
@@ -45,8 +45,14 @@ from tiny_model import write_tiny_moe_model
 DP_SIZE = 2
 MAX_NUM_SEQS = 4
 ENGINE_ARGS = [
-    "--enable-expert-parallel", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "512",
-    "--block-size", "16", "--enforce-eager",
+    "--enable-expert-parallel",
+    "--max-num-seqs",
+    str(MAX_NUM_SEQS),
+    "--max-model-len",
+    "512",
+    "--block-size",
+    "16",
+    "--enforce-eager",
 ]
 SERVE_ARGS = ["--data-parallel-size", str(DP_SIZE), "--api-server-count", "1", *ENGINE_ARGS]
 # Concurrency 12 > DP x max_num_seqs = 8: with balance on the gate must close in every burst.
@@ -71,8 +77,9 @@ def _serve_waves(model: Path, workdir: Path, balance: bool) -> tuple[Server, dic
                 client = run_waves(server, WAVES, IDLE_GAP_S, MIN_RUNNING, workdir)
         except Exception as error:
             if watchdog.fired:
-                raise AssertionError(f"run exceeded {RUN_BOUND_S:.0f} s and was killed; log "
-                                     f"tail:\n{server.log_tail()}") from error
+                raise AssertionError(
+                    f"run exceeded {RUN_BOUND_S:.0f} s and was killed; log tail:\n{server.log_tail()}"
+                ) from error
             raise
     return server, client, time.monotonic() - started
 
@@ -88,7 +95,8 @@ def test_online_waves(model_dir: Path, tmp_path: Path, balance: bool) -> None:
     for wave, result in zip(WAVES, client["bench"]):
         assert (result["completed"], result["failed"]) == (wave.num_prompts, 0), (
             f"balance {label}: a burst did not complete every request: {result['completed']} "
-            f"completed, {result['failed']} failed of {wave.num_prompts}")
+            f"completed, {result['failed']} failed of {wave.num_prompts}"
+        )
     assert not client["json_errors"], client["json_errors"]
     answers = client["json"]
     assert len(answers) == sum(w.json_requests for w in WAVES)
@@ -111,22 +119,30 @@ def test_online_waves(model_dir: Path, tmp_path: Path, balance: bool) -> None:
         assert all(c["admitted_while_closed"] == 0 for c in checks.values()), checks
     else:
         assert ENGINE_HOOK_LOG not in log and "Balance scheduling: using" not in log, (
-            "balance off, yet a balanced scheduler or engine core was built")
+            "balance off, yet a balanced scheduler or engine core was built"
+        )
         assert stats == {} and checks == {}, "balance off, yet some rank gated a step"
 
     requests = sum(w.num_prompts + w.json_requests for w in WAVES)
-    per_rank = ", ".join(f"rank {r}: {s['gated_steps']} gated of {s['engine_steps']} steps"
-                         for r, s in sorted(stats.items())) or "no gated steps (stock engines)"
-    print(f"\n[online e2e] balance {label}: start-up {server.startup_s:.1f} s, {requests} "
-          f"requests in {len(WAVES)} waves all completed ({len(answers)} JSON-mode), {per_rank}; "
-          f"run {wall_s:.1f} s")
+    per_rank = (
+        ", ".join(f"rank {r}: {s['gated_steps']} gated of {s['engine_steps']} steps" for r, s in sorted(stats.items()))
+        or "no gated steps (stock engines)"
+    )
+    print(
+        f"\n[online e2e] balance {label}: start-up {server.startup_s:.1f} s, {requests} "
+        f"requests in {len(WAVES)} waves all completed ({len(answers)} JSON-mode), {per_rank}; "
+        f"run {wall_s:.1f} s"
+    )
 
 
 MISMATCH_BOUND_S = 300.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: DP ranks do not yet agree on the balance switch "
-                   "at start-up; with different switches the balanced rank hangs in its gather")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11: DP ranks do not yet agree on the balance switch "
+    "at start-up; with different switches the balanced rank hangs in its gather",
+)
 def test_mismatched_switch_fails_fast(model_dir: Path, tmp_path: Path) -> None:
     """Two external-LB ranks of one DP group, balance on in one and off in the other.
 
@@ -135,11 +151,17 @@ def test_mismatched_switch_fails_fast(model_dir: Path, tmp_path: Path) -> None:
     request's bounded timeout turns that hang into this (expected) failure.
     """
     common = ENGINE_ARGS + [
-        "--data-parallel-size", str(DP_SIZE), "--data-parallel-address", "127.0.0.1",
-        "--data-parallel-rpc-port", str(free_port())]
-    ranks = [Server(model_dir, tmp_path / "rank0.log", common + ["--data-parallel-rank", "0"]
-                    + BALANCE_ON),
-             Server(model_dir, tmp_path / "rank1.log", common + ["--data-parallel-rank", "1"])]
+        "--data-parallel-size",
+        str(DP_SIZE),
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(free_port()),
+    ]
+    ranks = [
+        Server(model_dir, tmp_path / "rank0.log", common + ["--data-parallel-rank", "0"] + BALANCE_ON),
+        Server(model_dir, tmp_path / "rank1.log", common + ["--data-parallel-rank", "1"]),
+    ]
     try:
         for server in ranks:
             server.start()
@@ -156,7 +178,8 @@ def test_mismatched_switch_fails_fast(model_dir: Path, tmp_path: Path) -> None:
             time.sleep(1)
         assert exited, "ranks with different balance switches both served"
         assert any("enable_balance_scheduling" in s.log() for s in exited), (
-            "a rank failed, but not naming the balance switch")
+            "a rank failed, but not naming the balance switch"
+        )
     finally:
         for server in ranks:
             server.stop()

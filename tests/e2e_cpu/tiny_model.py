@@ -26,17 +26,27 @@ def write_tiny_moe_model(directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(VOCAB),
-        "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": EOS_TOKEN_ID,
-        "torch_dtype": "float32", "rms_norm_eps": 1e-5,
-        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": len(VOCAB),
+        "max_position_embeddings": 4096,
+        "bos_token_id": 0,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
     }
     (directory / "config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>", chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    ).save_pretrained(directory)
     return directory

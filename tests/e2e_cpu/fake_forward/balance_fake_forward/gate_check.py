@@ -37,19 +37,25 @@ def install() -> None:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         closed = self.balance_gate_closed()
         output = inner(self, *args, **kwargs)
-        stats = self.__dict__.setdefault("_gate_check", {"closed": 0, "admitted": 0,
-                                                          "was_closed": False})
+        stats = self.__dict__.setdefault("_gate_check", {"closed": 0, "admitted": 0, "was_closed": False})
         if closed:
             stats["closed"] += 1
             admitted = [r.req_id for r in output.scheduled_new_reqs]
             if admitted:
                 stats["admitted"] += len(admitted)
-                logger.error("Balance gate check: dp_rank=%d admitted %s while the gate was "
-                             "closed (balance_queue %s)", _rank(self), admitted,
-                             [int(t) for t in self.balance_queue])
+                logger.error(
+                    "Balance gate check: dp_rank=%d admitted %s while the gate was closed (balance_queue %s)",
+                    _rank(self),
+                    admitted,
+                    [int(t) for t in self.balance_queue],
+                )
         elif stats["was_closed"]:
-            logger.info("Balance gate check: dp_rank=%d closed_steps=%d admitted_while_closed=%d",
-                        _rank(self), stats["closed"], stats["admitted"])
+            logger.info(
+                "Balance gate check: dp_rank=%d closed_steps=%d admitted_while_closed=%d",
+                _rank(self),
+                stats["closed"],
+                stats["admitted"],
+            )
         stats["was_closed"] = closed
         return output
 

@@ -62,9 +62,11 @@ class FakeForwardWorker(WorkerBase):
         pass
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return {"model.layers.0.self_attn.attn": FullAttentionSpec(
-            block_size=self.cache_config.block_size, num_kv_heads=1, head_size=_HEAD_SIZE,
-            dtype=torch.float32)}
+        return {
+            "model.layers.0.self_attn.attn": FullAttentionSpec(
+                block_size=self.cache_config.block_size, num_kv_heads=1, head_size=_HEAD_SIZE, dtype=torch.float32
+            )
+        }
 
     def determine_available_memory(self) -> int:
         spec = next(iter(self.get_kv_cache_spec().values()))
@@ -125,9 +127,9 @@ class FakeForwardWorker(WorkerBase):
             token = self._pick(rows[req_id]) if req_id in rows else self._filler
             self._requests[req_id][0] += 1
             sampled.append([token])
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
+        )
 
     def _pick(self, row: np.ndarray) -> int:
         allowed = np.unpackbits(row.view(np.uint8), bitorder="little").nonzero()[0]
