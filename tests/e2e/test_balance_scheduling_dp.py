@@ -236,6 +236,7 @@ def run_offline(balance: bool) -> tuple[list[Any], list[Any]]:
             max_num_seqs=MAX_NUM_SEQS,
             max_model_len=4096,
             additional_config={"enable_balance_scheduling": balance},
+            shutdown_timeout=60,
             dp_start_timeout=TIMEOUT_S,
             dp_request_timeout=TIMEOUT_S,
         ) as runner,
@@ -380,6 +381,10 @@ def serve_args(port: int, *extra: str) -> list[str]:
         "--max-model-len",
         "4096",
         "--trust-remote-code",
+        # Engine cores get time to stop in order and log their stats (0, the default, kills them
+        # at once on vLLM 0.23).
+        "--shutdown-timeout",
+        "60",
         "--port",
         str(port),
         "--additional-config",

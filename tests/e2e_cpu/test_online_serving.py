@@ -53,6 +53,10 @@ ENGINE_ARGS = [
     "--block-size",
     "16",
     "--enforce-eager",
+    # A grace period for the engine cores when the server stops, so each logs its stats line
+    # (with the default 0, vLLM 0.23 kills them at once).
+    "--shutdown-timeout",
+    "30",
 ]
 SERVE_ARGS = ["--data-parallel-size", str(DP_SIZE), "--api-server-count", "1", *ENGINE_ARGS]
 # Concurrency 12 > DP x max_num_seqs = 8: with balance on the gate must close in every burst.

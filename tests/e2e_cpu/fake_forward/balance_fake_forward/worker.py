@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.worker import worker_base
 from vllm.v1.worker.worker_base import WorkerBase
 
 # Enough blocks for every running request at max_model_len on a tiny test server.
@@ -75,8 +76,10 @@ class FakeForwardWorker(WorkerBase):
     def initialize_from_config(self, kv_cache_config: Any) -> None:
         pass
 
-    def compile_or_warm_up_model(self) -> float:
-        return 0.0
+    def compile_or_warm_up_model(self) -> Any:
+        # vLLM 0.23 reports (language model, encoder) times; 0.18 one float.
+        times = getattr(worker_base, "CompilationTimes", None)
+        return times(language_model=0.0, encoder=0.0) if times is not None else 0.0
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
