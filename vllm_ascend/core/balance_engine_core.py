@@ -41,6 +41,10 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
     Constructor arguments are exactly ``DPEngineCoreProc``'s.
     """
 
+    # Defaults for engines built without __init__ (the soak harness): no periodic stats line.
+    balance_gathers = 0
+    _balance_stats_due = float("inf")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Logged before construction so every engine-core process states which class it runs,
         # even when a later start-up step fails.
