@@ -3,14 +3,13 @@
 The server is vLLM's, unmodified: API server, DP coordinator, ZMQ, two ``DPEngineCoreProc``
 processes with the real scheduler and this project's hook; only the model forward is fake (the
 ``balance_fake_forward`` plugins next to this file, put on ``PYTHONPATH``, never installed). Load
-comes from vLLM's own benchmark client, ``vllm bench serve --dataset-name random``, plus JSON-mode
-chat requests (``response_format`` ``json_schema``) sent alongside.
+comes from ``drive_waves.py``: vLLM's own benchmark client (``vllm bench serve --dataset-name
+random``) in bursts, with JSON-mode chat requests (``response_format`` ``json_schema``) inside.
 
-Every process the harness starts runs in its own session (process group), so stopping kills the
-whole tree: SIGTERM to the group (engines log their balance statistics on the way out), SIGKILL
-after a bound. Every wait is bounded; the bounds are generous (a 2-core machine shared with other
-jobs starts a server in 30-120 s) and only a hang reaches them.
-"""
+Every process the harness starts runs in its own session (process group), so stopping reaches the
+whole tree (``kill_tree``: SIGTERM to the leader, whose shutdown lets the engines log their balance
+statistics, then SIGTERM and SIGKILL to the group). Every wait is bounded; the bounds are generous
+(a 2-core machine shared with other jobs starts a server in 25-200 s) and only a hang reaches them."""
 
 from __future__ import annotations
 
