@@ -64,7 +64,7 @@ WAVES = [Wave(), Wave(num_prompts=24, max_concurrency=10), Wave()]
 IDLE_GAP_S = 3.0
 # JSON-mode requests go out once this many requests run (above the client's ready check).
 MIN_RUNNING = MAX_NUM_SEQS
-RUN_BOUND_S = 1200.0  # start-up plus every wave; only a hang gets near it
+RUN_BOUND_S = 900.0  # start-up plus every wave (measured up to 260 s under load); only a hang gets near it
 
 
 @pytest.fixture(scope="module")
