@@ -1,38 +1,53 @@
-"""End-to-end tests of balance scheduling on an Ascend host: data parallel size 2, real NPUs.
+"""End-to-end tests of balance scheduling on an Ascend host: MoE model, data parallel size 2.
 
-Why they exist: the unit tests run real vLLM schedulers on CPU, but only an NPU host runs the
-whole path (platform plugin, DP engine cores in lockstep, the per-step gather over the DP group,
-structured output, real models). These tests skip, with the reason, anywhere torch_npu or two NPUs
-are missing, so they are collected on every machine and run on Ascend runners.
+Why they exist: the unit tests and the CPU online test (``tests/e2e_cpu``, fake forward) run
+vLLM's real scheduler and engine cores, but only an NPU host runs the whole path with a real
+model (platform plugin, expert-parallel MoE, HCCL, graph modes). The tests skip, with the reason,
+where torch_npu or two NPUs are missing; ``BALANCE_E2E_REQUIRE_NPU=1`` turns the skip into an
+error (set it on NPU runners, where a skip would hide a broken runner).
 
-What they assert on an NPU:
+They use vllm-ascend's own e2e helpers (``tests/e2e/conftest.py``: ``DPVllmRunner``,
+``RemoteOpenAIServer``, ``wait_until_npu_memory_free``), so they run from a vllm-ascend checkout
+(the patch series puts this file in ``tests/e2e/multicard/2-cards/`` on v0.18.0,
+``tests/e2e/pull_request/two_card/`` on v0.23.0).
 
-* MoE model, offline ``vllm.LLM``, one process per DP rank, balance scheduling on vs off on the
-  same prompts: every request finishes (a request that is never scheduled shows as a rank that
-  does not finish within the timeout); the greedy token ids of every prompt are identical;
-  the JSON-mode request's output parses as JSON; the "on" run logs that the balanced scheduler
-  was selected and that each engine core runs the gather hook, the "off" run logs neither. The output throughput of both runs is printed.
-* Dense model, ``vllm serve --data-parallel-size 2`` with balance scheduling on (vLLM serves
-  dense DP only online): the server must start and answer every completion request.
+What they assert, each able to fail only on a regression (no exact output equality between
+balance off and on: balance changes which requests share a batch, and batch composition changes
+NPU numerics unless batch invariance is on):
+
+* offline, ``DPVllmRunner`` (one process per DP rank), balance off and on through the config
+  switch ``additional_config={"enable_balance_scheduling": ...}``: every request finishes with
+  its ``max_tokens``; JSON-mode (structured output) requests finish and their text parses and
+  matches the schema; with balance on every engine core runs the gather hook and reports
+  ``gated_steps > 0`` in its ``Balance scheduling stats`` line (the workload, 4x ``max_num_seqs``
+  requests per rank, must close the gate), with balance off no engine core reports any;
+* online, ``vllm serve --data-parallel-size 2 --enable-expert-parallel --additional-config
+  '{"enable_balance_scheduling": true}'`` driven by ``vllm bench serve --dataset-name random``
+  in bursts separated by idle gaps (each gap ends a DP wave), JSON-mode chat requests sent inside
+  every burst: every request completes, JSON parses and matches the schema, gated steps > 0 on
+  both ranks;
+* online, dense model, DP=2 with balance on: vLLM runs dense DP ranks independently, so every
+  request completes and no engine core runs the gather.
+
+A rank that dies fails the test within seconds (all ranks are watched, and the whole process
+tree of every rank and server is killed); every wait is bounded by ``BALANCE_E2E_TIMEOUT``.
 
 Configuration (environment variables): BALANCE_E2E_MOE_MODEL, BALANCE_E2E_DENSE_MODEL,
-BALANCE_E2E_NUM_PROMPTS, BALANCE_E2E_MAX_TOKENS, BALANCE_E2E_MAX_NUM_SEQS, BALANCE_E2E_TIMEOUT;
-BALANCE_E2E_REQUIRE_NPU=1 turns the skip into a collection error (set it on NPU runners).
-
-Each DP rank runs this file as a script (``python <this file> rank <config.json>``) so that every
-run gets fresh processes: the flag is read at construction and the NPUs are released at exit.
+BALANCE_E2E_NUM_PROMPTS, BALANCE_E2E_MAX_TOKENS, BALANCE_E2E_MAX_NUM_SEQS, BALANCE_E2E_TIMEOUT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
-import socket
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -43,21 +58,24 @@ MOE_MODEL = os.environ.get("BALANCE_E2E_MOE_MODEL", "Qwen/Qwen3-30B-A3B")
 DENSE_MODEL = os.environ.get("BALANCE_E2E_DENSE_MODEL", "Qwen/Qwen3-0.6B")
 NUM_PROMPTS = int(os.environ.get("BALANCE_E2E_NUM_PROMPTS", "64"))
 MAX_TOKENS = int(os.environ.get("BALANCE_E2E_MAX_TOKENS", "64"))
-# Small, so the ranks reach the cap and the gate actually closes during the run.
+# Small, so every rank reaches its cap (NUM_PROMPTS / DP_SIZE waiting requests each).
 MAX_NUM_SEQS = int(os.environ.get("BALANCE_E2E_MAX_NUM_SEQS", "8"))
-TIMEOUT_S = int(os.environ.get("BALANCE_E2E_TIMEOUT", "1800"))
+TIMEOUT_S = float(os.environ.get("BALANCE_E2E_TIMEOUT", "1800"))
 DP_SIZE = 2
-FLAG = "VLLM_ASCEND_BALANCE_SCHEDULING"
-# Logged once per engine process by the wiring when it returns the balanced scheduler class.
-SELECTED_LOG = "Balance scheduling: using"
+NUM_JSON = 4
+WAVES = 3
+IDLE_GAP_S = 5.0
 # Logged by each MoE DP engine core that runs the per-step balance gather.
-ENGINE_HOOK_LOG = "Balance scheduling: this DP engine core is BalanceDPEngineCoreProc"
+ENGINE_HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
+STATS_RE = re.compile(
+    r"Balance scheduling stats: dp_rank=(\d+) engine_steps=(\d+) gathers=(\d+) "
+    r"gated_steps=(\d+)"
+)
 JSON_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
     "required": ["city", "population"],
 }
-HERE = Path(__file__).resolve()
 
 
 def _skip_reason() -> str | None:
@@ -66,7 +84,10 @@ def _skip_reason() -> str | None:
     # Counted in a child process so this pytest process never initialises the NPU runtime.
     probe = subprocess.run(
         [sys.executable, "-c", "import torch, torch_npu; print(torch.npu.device_count())"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if probe.returncode != 0:
         return f"torch_npu cannot initialise: {probe.stderr.strip().splitlines()[-1:]}"
     count = int(probe.stdout.strip().splitlines()[-1])
@@ -75,222 +96,358 @@ def _skip_reason() -> str | None:
     return None
 
 
-# Not in the DP rank processes this file also runs as (nor in their spawned children).
 SKIP_REASON = _skip_reason() if __name__ not in ("__main__", "__mp_main__") else None
 if SKIP_REASON and os.environ.get("BALANCE_E2E_REQUIRE_NPU") == "1":
-    # Set on Ascend CI runners: there a skip would hide a broken runner or install.
     raise RuntimeError(f"BALANCE_E2E_REQUIRE_NPU=1 but {SKIP_REASON}")
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 
-# ----------------------------------------------------------------------------- workload
-def prompts(count: int) -> list[dict[str, Any]]:
-    """Deterministic prompts of varied length and output length, one of them JSON-mode.
+def _upstream() -> Any:
+    """vllm-ascend's e2e helpers (its tests/e2e/conftest.py), imported only where the tests run."""
+    try:
+        from tests.e2e import conftest
+    except ImportError as error:
+        raise RuntimeError(
+            "run this file from a vllm-ascend checkout: it uses tests/e2e/conftest.py "
+            "(DPVllmRunner, RemoteOpenAIServer, wait_until_npu_memory_free)"
+        ) from error
+    return conftest
 
-    Varied max_tokens make the ranks finish requests at different steps, so the number of running
-    requests differs between ranks and the gate has something to balance.
+
+@pytest.fixture(autouse=True)
+def _engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stats line is INFO; CI jobs often run with VLLM_LOGGING_LEVEL=ERROR.
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("HCCL_BUFFSIZE", os.environ.get("HCCL_BUFFSIZE", "1024"))
+    monkeypatch.setenv(
+        "ASCEND_RT_VISIBLE_DEVICES", os.environ.get("ASCEND_RT_VISIBLE_DEVICES", ",".join(map(str, range(DP_SIZE))))
+    )
+    # The config switch alone decides (vllm-ascend 0.23 deprecates the variable).
+    monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
+    _upstream().wait_until_npu_memory_free(target_free_percentage=0.95)(lambda: None)()
+
+
+# ---------------------------------------------------------------------------- checks
+def final_stats(log: str) -> dict[int, dict[str, int]]:
+    """The last ``Balance scheduling stats`` line of each DP rank (logged at engine shutdown)."""
+    stats: dict[int, dict[str, int]] = {}
+    for match in STATS_RE.finditer(log):
+        rank, steps, gathers, gated = (int(g) for g in match.groups())
+        stats[rank] = {"engine_steps": steps, "gathers": gathers, "gated_steps": gated}
+    return stats
+
+
+def check_gate(log: str, balance: bool) -> dict[int, dict[str, int]]:
+    stats = final_stats(log)
+    if balance:
+        assert log.count(ENGINE_HOOK_LOG) == DP_SIZE, "balance on: not every engine core runs the gather"
+        assert set(stats) == set(range(DP_SIZE)), f"balance on: a rank reported no stats: {stats}"
+        assert all(s["gated_steps"] > 0 for s in stats.values()), (
+            f"balance on: the gate never closed on some rank although every rank had "
+            f"{NUM_PROMPTS // DP_SIZE} requests for {MAX_NUM_SEQS} slots: {stats}"
+        )
+    else:
+        assert ENGINE_HOOK_LOG not in log and not stats, "balance off, yet an engine core gated"
+    return stats
+
+
+def check_json(text: str) -> None:
+    value = json.loads(text)
+    assert isinstance(value, dict) and set(JSON_SCHEMA["required"]) <= set(value), value
+    assert isinstance(value["city"], str) and isinstance(value["population"], int), value
+
+
+def kill_tree(pid: int, timeout: float = 30.0) -> None:
+    """SIGTERM ``pid`` (vLLM front-ends stop their engine cores in order), then SIGKILL all."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    root.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+# --------------------------------------------------------------------------- offline
+def prompts(count: int) -> list[str]:
+    topics = ["the sea", "a mountain", "an old library", "the first snow", "a busy market"]
+    return [
+        f"Write a long, detailed story about {topics[i % len(topics)]}, part {i}." * (1 + i % 4) for i in range(count)
+    ]
+
+
+class RankWatchdog:
+    """Fails a ``DPVllmRunner`` run within seconds when any DP rank process dies.
+
+    ``DPVllmRunner`` waits for its ranks one after the other (up to its request timeout each);
+    when one rank dies the others block in a collective. The watchdog polls every rank process
+    and, on the first unexpected exit, kills every rank's process tree: the runner's pending
+    pipe reads then fail at once.
     """
-    topics = ["the sea", "a mountain", "rain", "a library", "trains", "bees", "winter", "a clock"]
-    items = []
-    for i in range(count):
-        topic = topics[i % len(topics)]
-        text = f"Write {1 + i % 5} sentences about {topic}. " + "Be precise. " * (i % 7)
-        items.append({"index": i, "prompt": text, "max_tokens": 8 + (i * 13) % MAX_TOKENS})
-    items.append({"index": count, "json": True, "max_tokens": 256,
-                  "prompt": "Return a JSON object describing one large city: its name as "
-                            "'city' and its population as 'population'."})
-    return items
+
+    def __init__(self, runner: Any) -> None:
+        self.processes = list(runner._dp_processes)  # the rank processes DPVllmRunner started
+        assert len(self.processes) == DP_SIZE, "DPVllmRunner no longer exposes its rank processes"
+        self.died: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes) if p.exitcode is not None]
+            if dead:
+                self.died = [f"DP rank {rank} exited with {code}" for rank, code in dead]
+                for proc in self.processes:
+                    if proc.pid is not None:
+                        kill_tree(proc.pid, timeout=5)
+                return
+
+    def __enter__(self) -> RankWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
-def run_rank(config: dict[str, Any]) -> None:
-    """One DP rank of the offline SPMD run: generate its share, write the outputs as JSON."""
-    from vllm import LLM, SamplingParams
+def run_offline(balance: bool) -> tuple[list[Any], list[Any]]:
+    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    rank, dp_size = config["rank"], config["dp_size"]
-    mine = [p for p in prompts(config["num_prompts"]) if p["index"] % dp_size == rank]
-    params = [SamplingParams(
-        temperature=0.0, max_tokens=p["max_tokens"], ignore_eos=not p.get("json"),
-        structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA) if p.get("json") else None)
-        for p in mine]
-    llm = LLM(model=config["model"], max_num_seqs=config["max_num_seqs"],
-              max_model_len=2048, enable_expert_parallel=True, trust_remote_code=True,
-              seed=0)
-    start = time.perf_counter()
-    outputs = llm.generate([p["prompt"] for p in mine], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    results = {str(p["index"]): {"token_ids": list(o.outputs[0].token_ids),
-                                 "text": o.outputs[0].text,
-                                 "finish_reason": o.outputs[0].finish_reason,
-                                 "json": bool(p.get("json"))}
-               for p, o in zip(mine, outputs)}
-    Path(config["out"]).write_text(json.dumps({"elapsed_s": elapsed, "results": results}))
-    # Lets the DP engines leave their busy loop before the process exits.
-    time.sleep(5)
+    runner_cls = _upstream().DPVllmRunner
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    json_mode = SamplingParams(
+        max_tokens=256, temperature=0.0, structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA)
+    )
+    json_prompts = [f"Describe city number {i} as JSON with its name and population." for i in range(NUM_JSON)]
+    with (
+        runner_cls(
+            MOE_MODEL,
+            data_parallel_size=DP_SIZE,
+            enable_expert_parallel=True,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_model_len=4096,
+            additional_config={"enable_balance_scheduling": balance},
+            shutdown_timeout=60,
+            dp_start_timeout=TIMEOUT_S,
+            dp_request_timeout=TIMEOUT_S,
+        ) as runner,
+        RankWatchdog(runner) as watchdog,
+    ):
+        try:
+            outputs = runner.generate(prompts(NUM_PROMPTS), plain)
+            json_outputs = runner.generate(json_prompts, json_mode)
+        except Exception as error:
+            raise AssertionError(f"{watchdog.died or 'a DP rank failed'}: {error}") from error
+    return list(zip(prompts(NUM_PROMPTS), outputs)), list(zip(json_prompts, json_outputs))
 
 
-# ------------------------------------------------------------------------------ drivers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.mark.parametrize("balance", [False, True], ids=["balance-off", "balance-on"])
+def test_moe_dp2_offline(balance: bool, capfd: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    outputs, json_outputs = run_offline(balance)
+    elapsed = time.monotonic() - started
+    captured = capfd.readouterr()
+    log = captured.out + captured.err
+
+    # DPVllmRunner returns (prompt + output ids, prompt + output text) per request; generate
+    # returns only when every request of every rank has finished.
+    assert len(outputs) == NUM_PROMPTS
+    for prompt, (_, texts) in outputs:
+        assert texts[0].startswith(prompt) and len(texts[0]) > len(prompt), texts[0][:200]
+    for prompt, (_, texts) in json_outputs:
+        check_json(texts[0][len(prompt) :])
+    stats = check_gate(log, balance)
+    print(
+        f"\n[balance e2e offline] {MOE_MODEL} DP={DP_SIZE} balance={'on' if balance else 'off'}: "
+        f"{NUM_PROMPTS}+{NUM_JSON} requests in {elapsed:.1f} s; stats {stats}"
+    )
 
 
-def _base_env(balance: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env[FLAG] = "1" if balance else "0"
-    env["VLLM_LOGGING_LEVEL"] = "INFO"  # the "balanced class selected" line is at INFO
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    env.setdefault("ASCEND_RT_VISIBLE_DEVICES", ",".join(str(i) for i in range(DP_SIZE)))
-    env.setdefault("HCCL_BUFFSIZE", "1024")
-    return env
+# ---------------------------------------------------------------------------- online
+def _metric(base_url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
-def run_offline_dp(model: str, balance: bool, workdir: Path) -> dict[str, Any]:
-    """Runs every DP rank of one offline run; returns the merged outputs and the log."""
-    port = _free_port()
-    procs = []
-    for rank in range(DP_SIZE):
-        config = {"rank": rank, "dp_size": DP_SIZE, "model": model, "num_prompts": NUM_PROMPTS,
-                  "max_num_seqs": MAX_NUM_SEQS, "out": str(workdir / f"rank{rank}.json")}
-        config_file = workdir / f"rank{rank}.config.json"
-        config_file.write_text(json.dumps(config))
-        env = _base_env(balance)
-        env.update({"VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
-                    "VLLM_DP_SIZE": str(DP_SIZE), "VLLM_DP_MASTER_IP": "127.0.0.1",
-                    "VLLM_DP_MASTER_PORT": str(port)})
-        log = open(workdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE), "rank", str(config_file)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+def _chat_json(base_url: str, index: int, answers: list[Any]) -> None:
+    body = {
+        "model": MOE_MODEL,
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": f"City {index}: name and population as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": JSON_SCHEMA}},
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            answers.append(json.loads(response.read()))
+    except Exception as error:  # the test fails on it below
+        answers.append({"error": repr(error)})
+
+
+def _send_json_into_burst(base_url: str, wave: int, answers: list[Any]) -> None:
+    """Waits until the burst runs (more than one request running), then sends JSON requests."""
     deadline = time.monotonic() + TIMEOUT_S
-    failures = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            failures.append(f"rank {rank} did not finish within {TIMEOUT_S}s "
-                            "(a request that is never scheduled looks like this)")
-        log.close()
-        if proc.returncode not in (0, None):
-            failures.append(f"rank {rank} exited with {proc.returncode}")
-    for proc, _ in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    logs = "\n".join((workdir / f"rank{r}.log").read_text(errors="replace")
-                     for r in range(DP_SIZE))
-    assert not failures, "; ".join(failures) + "\n--- logs (tail) ---\n" + logs[-20000:]
-    merged: dict[str, Any] = {}
-    elapsed = 0.0
-    for rank in range(DP_SIZE):
-        data = json.loads((workdir / f"rank{rank}.json").read_text())
-        merged.update(data["results"])
-        elapsed = max(elapsed, data["elapsed_s"])
-    return {"results": merged, "elapsed_s": elapsed, "log": logs}
+    while time.monotonic() < deadline and _metric(base_url, "vllm:num_requests_running") < 2:
+        time.sleep(0.05)
+    threads = [threading.Thread(target=_chat_json, args=(base_url, wave * 100 + i, answers)) for i in range(NUM_JSON)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
 
 
-def _throughput(run: dict[str, Any]) -> float:
-    tokens = sum(len(r["token_ids"]) for r in run["results"].values())
-    return tokens / run["elapsed_s"]
+def _bench_burst(model: str, base_url: str, wave: int, result_dir: Path) -> dict[str, Any]:
+    name = f"bench-{wave}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--model",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "512",
+        "--random-output-len",
+        str(MAX_TOKENS),
+        "--random-range-ratio",
+        "0.5",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--max-concurrency",
+        str(3 * DP_SIZE * MAX_NUM_SEQS // 2),
+        "--ignore-eos",
+        "--seed",
+        str(wave),
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        name,
+        "--trust-remote-code",
+    ]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid, timeout=5)
+        raise AssertionError(f"burst {wave} did not finish within {TIMEOUT_S:.0f} s") from None
+    assert proc.returncode == 0, f"vllm bench serve exited with {proc.returncode}"
+    return json.loads((result_dir / name).read_text())
 
 
-# -------------------------------------------------------------------------------- tests
-def test_moe_dp2_balance_on_matches_off(tmp_path: Path) -> None:
-    runs = {}
-    for balance in (False, True):
-        workdir = tmp_path / ("on" if balance else "off")
-        workdir.mkdir()
-        runs[balance] = run_offline_dp(MOE_MODEL, balance, workdir)
+def logged_server(log_path: Path) -> type:
+    """vllm-ascend's ``RemoteOpenAIServer``, its output kept in ``log_path``, its whole tree stopped."""
 
-    expected = {str(p["index"]) for p in prompts(NUM_PROMPTS)}
-    for balance, run in runs.items():
-        label = "on" if balance else "off"
-        assert set(run["results"]) == expected, f"balance {label}: missing outputs"
-        unfinished = [i for i, r in run["results"].items()
-                      if r["finish_reason"] not in ("stop", "length")]
-        assert not unfinished, f"balance {label}: unfinished requests {unfinished}"
-        json_out = [r for r in run["results"].values() if r["json"]]
-        assert len(json_out) == 1 and json_out[0]["finish_reason"] == "stop", json_out
-        parsed = json.loads(json_out[0]["text"])
-        assert {"city", "population"} <= set(parsed), parsed
-    assert SELECTED_LOG in runs[True]["log"], "balance on: the balanced scheduler was not selected"
-    assert SELECTED_LOG not in runs[False]["log"], "balance off: a balanced scheduler was selected"
-    assert runs[True]["log"].count(ENGINE_HOOK_LOG) == DP_SIZE, "balance on: gather hook missing"
-    assert ENGINE_HOOK_LOG not in runs[False]["log"], "balance off: the gather hook ran"
+    class LoggedServer(_upstream().RemoteOpenAIServer):  # type: ignore[misc,name-defined]
+        def _start_server(self, model: str, server_cmd: list[str], env_dict: dict[str, str] | None) -> None:
+            env = {**os.environ, **(env_dict or {})}
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    server_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
 
-    diverged = [i for i in sorted(expected, key=int)
-                if runs[True]["results"][i]["token_ids"] != runs[False]["results"][i]["token_ids"]]
-    assert not diverged, (
-        f"greedy outputs differ for prompts {diverged}; first: "
-        f"off={runs[False]['results'][diverged[0]]['text']!r} "
-        f"on={runs[True]['results'][diverged[0]]['text']!r}")
+        def _terminate_server(self) -> None:
+            kill_tree(self.proc.pid, timeout=60)
 
-    off, on = _throughput(runs[False]), _throughput(runs[True])
-    print(f"\n[balance e2e] {MOE_MODEL} DP={DP_SIZE} max_num_seqs={MAX_NUM_SEQS} "
-          f"prompts={NUM_PROMPTS + 1}: output throughput off={off:.1f} tok/s, "
-          f"on={on:.1f} tok/s, on/off={on / off:.3f}")
+    return LoggedServer
 
 
-def _post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+def serve_args(port: int, *extra: str) -> list[str]:
+    return [
+        "--data-parallel-size",
+        str(DP_SIZE),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-model-len",
+        "4096",
+        "--trust-remote-code",
+        # Engine cores get time to stop in order and log their stats (0, the default, kills them
+        # at once on vLLM 0.23).
+        "--shutdown-timeout",
+        "60",
+        "--port",
+        str(port),
+        "--additional-config",
+        json.dumps({"enable_balance_scheduling": True}),
+        *extra,
+    ]
 
 
-def _wait_healthy(base: str, server: subprocess.Popen[bytes], deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"vllm serve exited with {server.returncode} during start-up")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(5)
-    raise AssertionError(f"vllm serve did not become healthy within {TIMEOUT_S}s")
+def test_moe_dp2_online_waves(tmp_path: Path) -> None:
+    from vllm.utils.network_utils import get_open_port
+
+    log_path = tmp_path / "serve.log"
+    port = get_open_port()
+    answers: list[Any] = []
+    results = []
+    with logged_server(log_path)(
+        MOE_MODEL,
+        serve_args(port, "--enable-expert-parallel"),
+        server_host="127.0.0.1",
+        server_port=port,
+        auto_port=False,
+        max_wait_seconds=TIMEOUT_S,
+    ) as server:
+        base_url = server.url_root
+        for wave in range(WAVES):
+            if wave:
+                time.sleep(IDLE_GAP_S)  # every engine goes idle: the DP wave ends
+            sender = threading.Thread(target=_send_json_into_burst, args=(base_url, wave, answers))
+            sender.start()
+            results.append(_bench_burst(MOE_MODEL, base_url, wave, tmp_path))
+            sender.join(TIMEOUT_S)
+    log = log_path.read_text(errors="replace")
+
+    for wave, result in enumerate(results):
+        assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), f"burst {wave}: {result}"
+    assert len(answers) == WAVES * NUM_JSON
+    for answer in answers:
+        assert "error" not in answer, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        check_json(choice["message"]["content"])
+    stats = check_gate(log, balance=True)
+    print(
+        f"\n[balance e2e online] {MOE_MODEL} DP={DP_SIZE}: {WAVES} bursts of {NUM_PROMPTS} + "
+        f"{NUM_JSON} JSON requests completed; stats {stats}"
+    )
 
 
 def test_dense_dp2_serves_with_balance_on(tmp_path: Path) -> None:
-    from concurrent.futures import ThreadPoolExecutor
+    """Dense DP ranks are independent in vLLM (no lockstep): stock engine cores, no gather."""
+    from vllm.utils.network_utils import get_open_port
 
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", DENSE_MODEL,
-           "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", str(DP_SIZE),
-           "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "2048"]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, env=_base_env(balance=True), stdout=log,
-                                  stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(base, server, time.monotonic() + TIMEOUT_S)
-        work = prompts(NUM_PROMPTS)[:-1]
-
-        def complete(item: dict[str, Any]) -> dict[str, Any]:
-            return _post_json(f"{base}/v1/completions", {
-                "model": DENSE_MODEL, "prompt": item["prompt"], "max_tokens": item["max_tokens"],
-                "temperature": 0.0, "ignore_eos": True}, timeout=TIMEOUT_S)
-
-        with ThreadPoolExecutor(max_workers=4 * MAX_NUM_SEQS) as pool:
-            answers = list(pool.map(complete, work))
-        lengths = [a["usage"]["completion_tokens"] for a in answers]
-        assert lengths == [item["max_tokens"] for item in work]
-        assert all(a["choices"][0]["finish_reason"] == "length" for a in answers)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    assert SELECTED_LOG in log_path.read_text(errors="replace"), (
-        "balance on: the balanced scheduler was not selected by the server's engines")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "rank":
-        run_rank(json.loads(Path(sys.argv[2]).read_text()))
-    else:
-        sys.exit(f"usage: {sys.argv[0]} rank CONFIG_JSON (run by the tests, one per DP rank)")
+    port = get_open_port()
+    with logged_server(log_path)(
+        DENSE_MODEL,
+        serve_args(port),
+        server_host="127.0.0.1",
+        server_port=port,
+        auto_port=False,
+        max_wait_seconds=TIMEOUT_S,
+    ) as server:
+        result = _bench_burst(DENSE_MODEL, server.url_root, 0, tmp_path)
+    log = log_path.read_text(errors="replace")
+    assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result
+    assert ENGINE_HOOK_LOG not in log and not final_stats(log), "dense DP ran the MoE gather"
