@@ -99,8 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--sweep", metavar="PARAM=v1,v2,...",
                       help="balance off and on for each value of one profile or settings "
                            "parameter (e.g. acceptance_rate_spread=0,0.1,0.2)")
+    mode.add_argument("--calibrate", type=Path, metavar="OUT.json",
+                      help="fit the profile's step costs on the preset's published baseline "
+                           "(balance-off) row only and write the calibrated profile here")
     mode.add_argument("--balance", choices=("off", "on"), default="on",
                       help="single run with balance scheduling off or on")
+    parser.add_argument("--calibrate-knob", choices=("prefill_ms_per_token",
+                                                     "prefill_step_overhead_ms"),
+                        help="with --calibrate: the prefill cost to fit (default: the preset's)")
     parser.add_argument("--interval", type=_positive_int, default=1,
                         help="single run: vLLM's --prefill-schedule-interval (1: off)")
     parser.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
@@ -300,7 +306,8 @@ def describe(settings: SimSettings, profile: CostProfile) -> str:
             f"(±{settings.output_spread:.0%}) tokens, {arrivals}, jitter {settings.jitter_ms} ms, "
             f"router {settings.router}; gate {settings.gate}; profile {profile.name}: "
             f"{profile.step_overhead_ms:g} ms + {profile.decode_ms_per_request:g} ms/decode req + "
-            f"{profile.prefill_ms_per_token:g} ms/prefill token, noise cv "
+            f"{profile.prefill_ms_per_token:g} ms/prefill token + "
+            f"{profile.prefill_step_overhead_ms:g} ms/prefill step, noise cv "
             f"{profile.step_noise_cv:g}, {mtp}, async scheduling "
             f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
             f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}")
@@ -312,11 +319,46 @@ def _payload(summary: dict[str, Any], settings: SimSettings, profile: CostProfil
     return {**summary, "settings": used, "profile": {"name": profile.name, **profile.values()}}
 
 
+def calibrate_profile(args: argparse.Namespace, preset: Preset, settings: SimSettings,
+                      profile: CostProfile, parser: argparse.ArgumentParser) -> int:
+    from dpsim.calibration import calibrate
+
+    if "off" not in preset.paper or not same_workload(settings, preset):
+        parser.error("--calibrate needs a preset with a published balance-off row, and its "
+                     "workload unchanged")
+    targets = preset.paper["off"]
+    knob = args.calibrate_knob or preset.calibrate_knob
+
+    def run_off(profiles: list[CostProfile]) -> list[dict[str, Any]]:
+        jobs = [Job(f"off {i}", settings, p, OFF_ON[0]) for i, p in enumerate(profiles)]
+        results = run_jobs(jobs, args.jobs, not args.no_progress)
+        return [results[job.key].summary for job in jobs]
+
+    print(f"calibrating {settings.profile}: {knob} on {preset.source}'s "
+          f"baseline {' and '.join(preset.calibrate_on)}", flush=True)
+    try:
+        calibrated, summary = calibrate(profile, targets, preset.calibrate_on, knob, run_off,
+                                        lambda s: print(s, flush=True))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    data = json.loads(settings.profile.read_text())
+    data.update(calibrated.values())
+    args.calibrate.parent.mkdir(parents=True, exist_ok=True)
+    args.calibrate.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {args.calibrate}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     preset, settings, profile = resolve(parser, args)
+    if args.calibrate is not None:
+        status = calibrate_profile(args, preset, settings, profile, parser)
+        print(f"wall time {time.perf_counter() - started:.1f} s", flush=True)
+        return status
     if args.interval > 1 and (args.compare or args.compare_policies or args.sweep):
         parser.error("--interval is for a single run (the comparisons choose their own)")
     sweep: tuple[str, list[str]] | None = None

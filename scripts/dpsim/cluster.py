@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,6 @@ class Batch:
     work: list[RankWork]
     start: float = 0.0
     end: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 AcceptedDrafts = Callable[[str, int], int]

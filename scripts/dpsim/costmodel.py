@@ -4,7 +4,12 @@ MoE data parallelism runs every rank's forward pass in lockstep (the expert all-
 all ranks), so a step lasts as long as its slowest rank. A rank's share is linear in what it
 scheduled: prefill tokens and decoding requests (each carrying its k+1 tokens under MTP); a rank
 with nothing runs a dummy batch and costs only the fixed part. Each rank's time is multiplied by
-its own noise draw (log-normal, mean 1, coefficient of variation ``step_noise_cv``).
+its own noise draw (log-normal, mean 1, coefficient of variation ``step_noise_cv``). A step in
+which any rank prefills also costs ``prefill_step_overhead_ms``: DP ranks agree on one CUDA/ACL
+graph mode per step, the minimum over ranks (vLLM 0.18 ``vllm/v1/worker/dp_utils.py``,
+``_post_process_cudagraph_mode``), so with decode-only full graphs (``cudagraph_mode``
+``FULL_DECODE_ONLY``, as both presets' recipes use) one rank's prefill makes every rank run that
+step without its decode graph.
 
 The same file holds the parameters of the mechanisms that shape the schedule, each switchable
 (its default turns it off, so a profile with the three coefficients alone means plain decoding):
@@ -31,6 +36,9 @@ PARAMETERS: dict[str, tuple[type, Any, float, float | None, str]] = {
     "decode_ms_per_request": (float, None, 0.0, None,
                               "extra cost per decoding request on a rank (its k+1 tokens)"),
     "prefill_ms_per_token": (float, None, 0.0, None, "extra cost per prefill token on a rank"),
+    "prefill_step_overhead_ms": (float, 0.0, 0.0, None,
+                                 "extra cost of a step in which any rank prefills (every rank "
+                                 "leaves its decode-only graph)"),
     "step_noise_cv": (float, 0.0, 0.0, 1.0,
                       "per-rank step-time noise (coefficient of variation, log-normal)"),
     "num_speculative_tokens": (int, 0, 0, 16, "MTP draft tokens per decode step (0: no MTP)"),
@@ -58,6 +66,7 @@ class CostProfile:
     step_overhead_ms: float
     decode_ms_per_request: float
     prefill_ms_per_token: float
+    prefill_step_overhead_ms: float = 0.0
     step_noise_cv: float = 0.0
     num_speculative_tokens: int = 0
     acceptance_rate_mean: float = 0.0
@@ -71,12 +80,15 @@ class CostProfile:
         return (prefill_tokens * self.prefill_ms_per_token
                 + decode_requests * self.decode_ms_per_request)
 
-    def step_s(self, rank_work_ms: list[float], noise: random.Random | None = None) -> float:
-        """Lockstep step time: the slowest rank, each rank's time with its own noise draw."""
+    def step_s(self, rank_work_ms: list[float], noise: random.Random | None = None,
+               prefill: bool = False) -> float:
+        """Lockstep step time: the slowest rank, each rank's time with its own noise draw;
+        ``prefill``: some rank prefills in this step."""
+        fixed = self.step_overhead_ms + (self.prefill_step_overhead_ms if prefill else 0.0)
         if not self.step_noise_cv or noise is None:
-            return (self.step_overhead_ms + max(rank_work_ms)) / 1000.0
+            return (fixed + max(rank_work_ms)) / 1000.0
         sigma = math.sqrt(math.log1p(self.step_noise_cv ** 2))
-        return max((self.step_overhead_ms + work) * noise.lognormvariate(-sigma * sigma / 2, sigma)
+        return max((fixed + work) * noise.lognormvariate(-sigma * sigma / 2, sigma)
                    for work in rank_work_ms) / 1000.0
 
     def values(self) -> dict[str, Any]:

@@ -105,7 +105,8 @@ def run(settings: SimSettings, profile: CostProfile, arm: Arm, model_dir: Path |
             batch = cluster.schedule(step_counter)
             batch.start = max(now, device_free_at)
             work_ms = [profile.rank_ms(w.prefill_tokens, w.decode_requests) for w in batch.work]
-            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise)
+            prefill = any(w.prefill_tokens for w in batch.work)
+            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise, prefill)
             queue.append(batch)
             if len(queue) < depth:
                 # vLLM returns without waiting while the batch queue has room.

@@ -7,6 +7,7 @@ import random
 import re
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dpsim.cadence import PrefillCadence, should_throttle
@@ -217,3 +218,49 @@ def test_poisson_with_a_cap() -> None:
     assert 2.0 < times[-1] < 10.0  # 49 gaps of mean 0.1 s
     capped = Client(50, concurrency=1, request_rate=1000.0, jitter_s=0.0, rng=random.Random(2))
     assert len(capped.due(1e9)) == 1  # the next waits for a response
+
+
+def test_a_prefill_step_costs_every_rank_its_graph() -> None:
+    profile = profile_from_dict({**PROFILE, "prefill_step_overhead_ms": 30})
+    assert profile.step_s([4.0, 0.0]) == pytest.approx(0.014)
+    assert profile.step_s([4.0, 0.0], prefill=True) == pytest.approx(0.044)
+
+
+def _linear_run() -> Any:
+    """A fake baseline run whose figures are linear in the costs (what a closed loop gives)."""
+    def run_off(profiles: list[CostProfile]) -> list[dict[str, float]]:
+        out = []
+        for p in profiles:
+            tpot = 0.5 * p.step_overhead_ms + 300 * p.prefill_ms_per_token
+            ttft = 10 * p.step_overhead_ms + 40000 * p.prefill_ms_per_token
+            out.append({"tpot_mean_ms": tpot, "ttft_mean_ms": ttft,
+                        "output_tok_s": 1e5 / tpot, "request_s": 1.0})
+        return out
+    return run_off
+
+
+def test_calibration_fits_the_knob_and_scale_on_the_baseline_only() -> None:
+    from dpsim.calibration import calibrate
+
+    base = profile_from_dict({**PROFILE, "step_overhead_ms": 100, "decode_ms_per_request": 1})
+    # Truth: overhead 60 (scale 0.6), prefill 0.2 ms/token.
+    targets = {"tpot_mean_ms": 0.5 * 60 + 300 * 0.2, "ttft_mean_ms": 10 * 60 + 40000 * 0.2,
+               "output_tok_s": 1.0}
+    lines: list[str] = []
+    fitted, summary = calibrate(base, targets, ("tpot_mean_ms", "ttft_mean_ms"),
+                                "prefill_ms_per_token", _linear_run(), lines.append)
+    assert fitted.step_overhead_ms == pytest.approx(60, rel=1e-3)
+    assert fitted.decode_ms_per_request == pytest.approx(0.6, rel=1e-3)  # ratio kept
+    assert fitted.prefill_ms_per_token == pytest.approx(0.2, rel=1e-3)
+    assert summary["tpot_mean_ms"] == pytest.approx(targets["tpot_mean_ms"], rel=0.01)
+    assert len(lines) == 3  # two starting points, one secant step
+
+
+def test_calibration_refuses_what_no_cost_can_reach() -> None:
+    from dpsim.calibration import calibrate
+
+    base = profile_from_dict(PROFILE)
+    with pytest.raises(ValueError, match="no positive costs reach the targets"):
+        calibrate(base, {"tpot_mean_ms": 10.0, "ttft_mean_ms": 1.0},
+                  ("tpot_mean_ms", "ttft_mean_ms"), "prefill_ms_per_token",
+                  _linear_run(), lambda line: None)
