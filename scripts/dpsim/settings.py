@@ -81,8 +81,10 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # vllm-ascend PR #5212 (same table in vLLM RFC #29722): DeepSeek-V3.1, 3.5K in / 1.5K out
     # (fixed), 512 requests, "batch size 128" = benchmark concurrency. Deployment from
-    # vllm-ascend's DeepSeek-V3.1 tutorial (DP 4 / TP 4, max-num-batched-tokens 4096, MTP k=3)
-    # except max_num_seqs: 32 (= 128 / DP) follows from the table itself (docs/simulator.md).
+    # vllm-ascend's DeepSeek-V3.1 tutorial (DP 4 / TP 4, max-num-batched-tokens 4096, MTP k=3,
+    # decode-only graphs) except max_num_seqs: 32 (= 128 / DP) follows from the table itself
+    # (docs/simulator.md). The per-token prefill cost is a compute estimate, so the graph-less
+    # step's overhead and the decode cost scale are fitted, on the baseline's TPOT and TTFT.
     "rfc-dsv31": Preset(
         description="vllm-ascend PR #5212 result table: DeepSeek-V3.1, 3500/1500 tokens "
                     "(fixed), 512 requests, concurrency 128 over DP 4 x max_num_seqs 32",
@@ -92,6 +94,7 @@ PRESETS: dict[str, Preset] = {
                "on": {"output_tok_s": 1530.7, "tpot_mean_ms": 70.63, "ttft_mean_ms": 7012.0,
                       "e2e_s": 501.7}},
         source="vllm-ascend PR #5212",
+        calibrate_knob="prefill_step_overhead_ms",
     ),
     # vLLM PR #44558 (--prefill-schedule-interval): DeepSeek-R1-0528 FP4, DP 8 / TP 1 / EP on
     # 2x GB200, random 1k in / 200 out, Poisson 24 req/s, ignore-eos. max_num_seqs and the token
