@@ -5,11 +5,12 @@ all ranks), so a step lasts as long as its slowest rank. A rank's share is linea
 scheduled: prefill tokens and decoding requests (each carrying its k+1 tokens under MTP); a rank
 with nothing runs a dummy batch and costs only the fixed part. Each rank's time is multiplied by
 its own noise draw (log-normal, mean 1, coefficient of variation ``step_noise_cv``). A step in
-which any rank prefills also costs ``prefill_step_overhead_ms``: DP ranks agree on one CUDA/ACL
-graph mode per step, the minimum over ranks (vLLM 0.18 ``vllm/v1/worker/dp_utils.py``,
-``_post_process_cudagraph_mode``), so with decode-only full graphs (``cudagraph_mode``
-``FULL_DECODE_ONLY``, as both presets' recipes use) one rank's prefill makes every rank run that
-step without its decode graph.
+which any rank prefills also costs ``prefill_step_overhead_ms``: DP ranks agree on one graph mode
+per step (vLLM 0.18 takes the minimum over ranks, ``vllm/v1/worker/dp_utils.py``
+``_post_process_cudagraph_mode``; vllm-ascend 0.18 all-reduces ``with_prefill``,
+``NPUModelRunner._sync_metadata_across_dp``), so with decode-only full graphs
+(``cudagraph_mode`` ``FULL_DECODE_ONLY``, as both presets' recipes use) one rank's prefill makes
+every rank run that step without its decode graph.
 
 The same file holds the parameters of the mechanisms that shape the schedule, each switchable
 (its default turns it off, so a profile with the three coefficients alone means plain decoding):

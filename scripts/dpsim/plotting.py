@@ -117,12 +117,10 @@ def save_policies_plot(results: dict[str, RunResult], arms: list[Arm], path: Pat
         axis.set_title(name, fontsize=9)
     _cdf(axes[1][0], results, arms, "tpot_ms", "TPOT per request (ms)")
     _cdf(axes[1][1], results, arms, "ttft_ms", "TTFT per request (ms)")
-    first = arms[0].name
-    _running_panel(axes[1][2], first, results[first], *_window(results, None, 60.0))
-    last = arms[-1].name
-    _running_panel(axes[1][3], last, results[last], *_window(results, None, 60.0))
-    axes[1][2].set_title(f"{arms[0].label}: running per rank", fontsize=9)
-    axes[1][3].set_title(f"{arms[-1].label}: running per rank", fontsize=9)
+    # The baseline and the second policy (balance, in --compare-policies) over the same window.
+    for axis, arm in zip(axes[1][2:], arms[:2]):
+        _running_panel(axis, arm.label, results[arm.name], *_window(results, None, 60.0))
+        axis.set_title(f"{arm.label}: running per rank", fontsize=9)
     figure.suptitle(textwrap.fill(title, 170), fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
