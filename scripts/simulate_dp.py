@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--sweep", metavar="PARAM=v1,v2,...",
                       help="balance off and on for each value of one profile or settings "
                            "parameter (e.g. acceptance_rate_spread=0,0.1,0.2)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --sweep: fit the profile's costs on the preset's baseline row "
+                             "again for each value before predicting balance on (the "
+                             "sensitivity of the prediction, not of both rows)")
     mode.add_argument("--calibrate", type=Path, metavar="OUT.json",
                       help="fit the profile's step costs on the preset's published baseline "
                            "(balance-off) row only and write the calibrated profile here")
@@ -233,6 +237,16 @@ def same_workload(settings: SimSettings, preset: Preset) -> bool:
     return dataclasses.replace(settings, **ignored) == preset.settings
 
 
+# What the benchmark client did: a published row can be calibrated on with any deployment
+# assumption (DP size, router...), never with another workload.
+WORKLOAD_FIELDS = ("num_requests", "concurrency", "request_rate", "prompt_tokens",
+                   "output_tokens", "prompt_spread", "output_spread")
+
+
+def same_client_workload(settings: SimSettings, preset: Preset) -> bool:
+    return all(getattr(settings, f) == getattr(preset.settings, f) for f in WORKLOAD_FIELDS)
+
+
 def _layout(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
@@ -279,16 +293,24 @@ def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: 
     return _layout(rows)
 
 
-def format_sweep(name: str, values: list[str], summaries: dict[str, dict[str, Any]]) -> str:
+def format_sweep(name: str, values: list[str], summaries: dict[str, dict[str, Any]],
+                 fitted: dict[str, CostProfile] | None = None) -> str:
     header = [name, "off tok/s", "on tok/s"] + [f"{label} on vs off" for label, _ in SWEEP_KEYS]
     header += ["off TTFT ms", "on TTFT ms", "off TPOT ms", "on TPOT ms"]
+    if fitted:
+        header.append("fitted costs (overhead, decode, per token, per prefill step; ms)")
     rows = [header]
     for value in values:
-        off, on = summaries[f"{name}={value} off"], summaries[f"{name}={value} on"]
+        key = f"{name}={value}"
+        off, on = summaries[f"{key} off"], summaries[f"{key} on"]
         rows.append([value, f"{off['output_tok_s']:.1f}", f"{on['output_tok_s']:.1f}"]
-                    + [_change(off[key], on[key]) for _, key in SWEEP_KEYS]
+                    + [_change(off[k], on[k]) for _, k in SWEEP_KEYS]
                     + [f"{off['ttft_mean_ms']:.0f}", f"{on['ttft_mean_ms']:.0f}",
                        f"{off['tpot_mean_ms']:.2f}", f"{on['tpot_mean_ms']:.2f}"])
+        if fitted:
+            p = fitted[key]
+            rows[-1].append(f"{p.step_overhead_ms:g}, {p.decode_ms_per_request:g}, "
+                            f"{p.prefill_ms_per_token:g}, {p.prefill_step_overhead_ms:g}")
     return _layout(rows)
 
 
@@ -319,14 +341,15 @@ def _payload(summary: dict[str, Any], settings: SimSettings, profile: CostProfil
     return {**summary, "settings": used, "profile": {"name": profile.name, **profile.values()}}
 
 
-def calibrate_profile(args: argparse.Namespace, preset: Preset, settings: SimSettings,
-                      profile: CostProfile, parser: argparse.ArgumentParser) -> int:
+def _calibrated(args: argparse.Namespace, preset: Preset, settings: SimSettings,
+                profile: CostProfile,
+                parser: argparse.ArgumentParser) -> tuple[CostProfile, dict[str, Any]]:
+    """``profile`` with its costs fitted on the preset's baseline row, and that row's summary."""
     from dpsim.calibration import calibrate
 
-    if "off" not in preset.paper or not same_workload(settings, preset):
-        parser.error("--calibrate needs a preset with a published balance-off row, and its "
-                     "workload unchanged")
-    targets = preset.paper["off"]
+    if "off" not in preset.paper or not same_client_workload(settings, preset):
+        parser.error("calibrating needs a preset with a published baseline row, and its "
+                     f"workload unchanged ({', '.join(WORKLOAD_FIELDS)})")
     knob = args.calibrate_knob or preset.calibrate_knob
 
     def run_off(profiles: list[CostProfile]) -> list[dict[str, Any]]:
@@ -336,9 +359,14 @@ def calibrate_profile(args: argparse.Namespace, preset: Preset, settings: SimSet
 
     print(f"calibrating {settings.profile}: {knob} on {preset.source}'s "
           f"baseline {' and '.join(preset.calibrate_on)}", flush=True)
+    return calibrate(profile, preset.paper["off"], preset.calibrate_on, knob, run_off,
+                     lambda s: print(s, flush=True))
+
+
+def calibrate_profile(args: argparse.Namespace, preset: Preset, settings: SimSettings,
+                      profile: CostProfile, parser: argparse.ArgumentParser) -> int:
     try:
-        calibrated, summary = calibrate(profile, targets, preset.calibrate_on, knob, run_off,
-                                        lambda s: print(s, flush=True))
+        calibrated, _ = _calibrated(args, preset, settings, profile, parser)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -361,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         return status
     if args.interval > 1 and (args.compare or args.compare_policies or args.sweep):
         parser.error("--interval is for a single run (the comparisons choose their own)")
+    if args.recalibrate and not args.sweep:
+        parser.error("--recalibrate goes with --sweep")
     sweep: tuple[str, list[str]] | None = None
     if args.sweep:
         try:
@@ -369,8 +399,19 @@ def main(argv: list[str] | None = None) -> int:
                         for v in sweep[1]]
         except ParamError as exc:
             parser.error(str(exc))
-        jobs = [Job(f"{key} {arm.name}", s, p, arm)
-                for key, s, p in variants for arm in OFF_ON]
+        fitted: dict[str, dict[str, Any]] = {}
+        if args.recalibrate:
+            try:
+                for index, (key, s, p) in enumerate(variants):
+                    print(f"{key}:", flush=True)
+                    calibrated, fitted[f"{key} off"] = _calibrated(args, preset, s, p, parser)
+                    variants[index] = (key, s, calibrated)
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+        # A recalibrated variant's baseline run is the calibration's last run (deterministic).
+        jobs = [Job(f"{key} {arm.name}", s, p, arm) for key, s, p in variants for arm in OFF_ON
+                if f"{key} {arm.name}" not in fitted]
         arms: list[Arm] = list(OFF_ON)
     else:
         if args.compare_policies:
@@ -385,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run_jobs(jobs, args.jobs, not args.no_progress)
     summaries = {key: result.summary for key, result in results.items()}
     if sweep is not None:
-        print(format_sweep(sweep[0], sweep[1], summaries), flush=True)
+        summaries.update(fitted)
+        print(format_sweep(sweep[0], sweep[1], summaries,
+                           {key: p for key, _, p in variants} if fitted else None), flush=True)
         payload: Any = [{"value": v, **{arm.name: _payload(summaries[f"{key} {arm.name}"], s, p)
                                         for arm in OFF_ON}}
                         for v, (key, s, p) in zip(sweep[1], variants)]

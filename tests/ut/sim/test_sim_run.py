@@ -194,3 +194,25 @@ def test_balance_off_is_vllms_own_scheduler(tiny_model: Path) -> None:
     cluster.finish(cluster.schedule(0), lambda request_id, drafts: 0)
     cluster.gather()
     assert not cluster.gate_closed() and cluster.gated_steps() == 0
+
+
+def test_recalibrating_sweep_refits_each_value(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--sweep ... --recalibrate fits the costs on the baseline row again for every value."""
+    preset = simulate_dp.Preset(
+        description="tiny", settings=dataclasses.replace(TINY, num_requests=12),
+        paper={"off": {"tpot_mean_ms": 60.0, "ttft_mean_ms": 300.0}},
+        calibrate_on=("tpot_mean_ms",))
+    monkeypatch.setitem(simulate_dp.PRESETS, "tiny", preset)
+    out = tmp_path / "sweep.json"
+    status = simulate_dp.main(["--preset", "tiny", "--no-progress", "--jobs", "1",
+                               "--sweep", "step_noise_cv=0,0.1", "--recalibrate",
+                               "--set", "step_overhead_ms=20", "--set", "decode_ms_per_request=1",
+                               "--set", "prefill_ms_per_token=0.05", "--json", str(out)])
+    assert status == 0
+    data = json.loads(out.read_text())
+    for entry in data:
+        assert entry["off"]["tpot_mean_ms"] == pytest.approx(60.0, rel=0.01)
+    fitted = [entry["off"]["profile"]["prefill_ms_per_token"] for entry in data]
+    assert fitted[0] != fitted[1] and all(f != 0.05 for f in fitted)
+    assert "fitted costs" in capsys.readouterr().out
