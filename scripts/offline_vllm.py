@@ -43,6 +43,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams
@@ -87,7 +88,8 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 4, max_num_batched_
                      enable_prefix_caching: bool = False, num_blocks: int = 1000,
                      kv_transfer_config: KVTransferConfig | None = None,
                      scheduler_cls: str | type | None = None,
-                     additional_config: dict[str, Any] | None = None) -> VllmConfig:
+                     additional_config: dict[str, Any] | None = None,
+                     speculative_config: SpeculativeConfig | None = None) -> VllmConfig:
     model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32",
                                max_model_len=max_model_len, seed=0)
     scheduler_config = SchedulerConfig(
@@ -102,6 +104,7 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 4, max_num_batched_
                       cache_config=cache_config, parallel_config=parallel_config,
                       device_config=DeviceConfig(device="cpu"),
                       kv_transfer_config=kv_transfer_config,
+                      speculative_config=speculative_config,
                       **({"additional_config": additional_config}
                          if additional_config is not None else {}))
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Simulate DP serving on real vLLM schedulers, with balance scheduling off and on.
+"""Simulate DP serving on real vLLM schedulers: balance scheduling, vLLM's prefill cadence, or none.
 
 Why: the balance-scheduling evidence is one table measured on NPUs. This reproduces its workload
-on CPU: N DP ranks, each a real ``BalanceScheduler``, stepped in lockstep like MoE DP engine cores
-with fake model outputs, priced by a JSON cost profile, so anyone can see when balance
-scheduling helps and tune it (docs/simulator.md).
+on CPU: N DP ranks, each a real vLLM scheduler (balance on: ``BalanceScheduler``), stepped in
+lockstep like MoE DP engine cores with fake model outputs (MTP acceptance drawn per request),
+priced by a JSON profile, so anyone can see when balance scheduling helps, compare it with what
+vLLM itself offers, and see how the answer depends on each assumption (docs/simulator.md).
 
-    scripts/simulate_dp.py --preset rfc-dsv31 --compare --json out.json \\
-        --plot docs/balance-rfc-dsv31.png
+    scripts/simulate_dp.py --preset rfc-dsv31 --compare --json out.json --plot out.png
+    scripts/simulate_dp.py --preset rfc-dsv31 --compare-policies --json p.json --plot p.png
+    scripts/simulate_dp.py --preset rfc-dsv31 --sweep acceptance_rate_spread=0,0.1,0.2
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import math
 import os
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -27,10 +31,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # offline_vllm and dpsim
 
 from dpsim.costmodel import CostProfile, ProfileError, load_profile  # noqa: E402
+from dpsim.params import ParamError, apply, parse_assignment, parse_sweep  # noqa: E402
 from dpsim.router import ROUTERS  # noqa: E402
 from dpsim.settings import (  # noqa: E402
     GATES,
+    OFF_ON,
+    POLICIES,
     PRESETS,
+    Arm,
     Preset,
     SimSettings,
     problems,
@@ -42,19 +50,28 @@ TABLE_ROWS = (
     ("output tok/s", "output_tok_s", "{:.1f}"),
     ("request/s", "request_s", "{:.3f}"),
     ("TTFT mean (ms)", "ttft_mean_ms", "{:.0f}"),
+    ("  first wave (ms)", "ttft_first_wave_ms", "{:.0f}"),
+    ("  later (ms)", "ttft_later_ms", "{:.0f}"),
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
     ("TPOT mean (ms)", "tpot_mean_ms", "{:.2f}"),
     ("TPOT p99 (ms)", "tpot_p99_ms", "{:.2f}"),
+    ("ITL p50 (ms)", "itl_p50_ms", "{:.1f}"),
+    ("ITL mean (ms)", "itl_mean_ms", "{:.1f}"),
     ("e2e (s)", "e2e_s", "{:.1f}"),
     ("finished", "finished", "{:d}"),
     ("steps", "steps", "{:d}"),
+    ("tokens / chunk", "tokens_per_chunk", "{:.2f}"),
     ("admission steps", "admission_steps", "{:d}"),
     ("stalled decode steps", "stalled_decode_steps", "{:d}"),
     ("gated rank-steps", "gated_rank_steps", "{:d}"),
+    ("deferred rank-steps", "deferred_rank_steps", "{:d}"),
     ("mean running / rank", "mean_running_per_rank", "{:.1f}"),
     ("simulation wall (s)", "sim_wall_s", "{:.1f}"),
+    ("simulation CPU (s)", "sim_cpu_s", "{:.1f}"),
 )
-PAPER_KEYS = {"output_tok_s", "tpot_mean_ms", "ttft_mean_ms", "e2e_s"}
+NO_CHANGE = {"finished", "sim_wall_s", "sim_cpu_s", "gated_rank_steps", "deferred_rank_steps"}
+# Headline figures of a sweep line.
+SWEEP_KEYS = (("tok/s", "output_tok_s"), ("TPOT", "tpot_mean_ms"), ("TTFT", "ttft_mean_ms"))
 
 
 def _positive_int(text: str) -> int:
@@ -73,19 +90,40 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="rfc-dsv31",
                         help=f"base settings; one of: {', '.join(PRESETS)}")
-    parser.add_argument("--profile", type=Path, help="JSON cost profile (default: the preset's)")
+    parser.add_argument("--profile", type=Path, help="JSON profile (default: the preset's)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--compare", action="store_true", help="run balance off and on")
+    mode.add_argument("--compare-policies", action="store_true",
+                      help="run " + ", ".join(a.label for a in POLICIES) + " (vLLM's "
+                           "--prefill-schedule-interval reproduced on the step counter)")
+    mode.add_argument("--sweep", metavar="PARAM=v1,v2,...",
+                      help="balance off and on for each value of one profile or settings "
+                           "parameter (e.g. acceptance_rate_spread=0,0.1,0.2)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --sweep: fit the profile's costs on the preset's baseline row "
+                             "again for each value before predicting balance on (the "
+                             "sensitivity of the prediction, not of both rows)")
+    mode.add_argument("--calibrate", type=Path, metavar="OUT.json",
+                      help="fit the profile's step costs on the preset's published baseline "
+                           "(balance-off) row only and write the calibrated profile here")
     mode.add_argument("--balance", choices=("off", "on"), default="on",
                       help="single run with balance scheduling off or on")
+    parser.add_argument("--calibrate-knob", choices=("prefill_ms_per_token",
+                                                     "prefill_step_overhead_ms"),
+                        help="with --calibrate: the prefill cost to fit (default: the preset's)")
+    parser.add_argument("--interval", type=_positive_int, default=1,
+                        help="single run: vLLM's --prefill-schedule-interval (1: off)")
+    parser.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
+                        help="override one profile or settings parameter (repeatable)")
     parser.add_argument("--gate", choices=GATES, help="gate rule when balance is on: 'cap' "
                         "(some rank at max_num_seqs) or 'cap-1' (within one of it)")
     group = parser.add_argument_group("deployment (overrides the preset)")
     group.add_argument("--dp-size", type=_positive_int)
     group.add_argument("--max-num-seqs", type=_positive_int, help="per-rank cap")
     group.add_argument("--max-num-batched-tokens", type=_positive_int,
-                       help="per-rank token budget per step (chunked prefill)")
-    group = parser.add_argument_group("workload and asymmetry sources (overrides the preset)")
+                       help="per-rank token budget per step, shared by prefill chunks and "
+                            "decodes (k+1 tokens each under MTP)")
+    group = parser.add_argument_group("workload (overrides the preset)")
     group.add_argument("--num-requests", type=_positive_int)
     group.add_argument("--concurrency", type=_positive_int,
                        help="closed loop: requests in flight (caps Poisson arrivals too)")
@@ -102,17 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--router", choices=ROUTERS,
                        help="'lb' = vLLM's DP load balancer (4*waiting+running), "
                             "'round-robin' ignores load")
-    group.add_argument("--lb-stats-interval-ms", type=float,
-                       help="age limit of the load balancer's snapshot (vLLM: 100)")
     group.add_argument("--seed", type=int)
-    parser.add_argument("--json", type=Path, help="write {'off': {...}, 'on': {...}} here")
+    parser.add_argument("--json", type=Path, help="write {arm: {...}} (sweep: a list) here")
     parser.add_argument("--plot", type=Path, help="write the comparison figure (PNG) here")
     parser.add_argument("--plot-start-s", type=float,
                         help="start of the running-count panels (default: a quarter into the run)")
     parser.add_argument("--plot-window-s", type=float, default=60.0,
                         help="time span of the running-count panels (0: to the end)")
     parser.add_argument("--jobs", type=_positive_int, default=2,
-                        help="processes for --compare (the two runs are independent)")
+                        help="processes for the runs of a comparison (they are independent)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -129,8 +165,7 @@ def resolve(parser: argparse.ArgumentParser,
         concurrency=args.concurrency, request_rate=args.request_rate,
         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         prompt_spread=args.prompt_spread, output_spread=args.output_spread,
-        jitter_ms=args.jitter_ms, router=args.router,
-        lb_stats_interval_ms=args.lb_stats_interval_ms, profile=args.profile, gate=args.gate,
+        jitter_ms=args.jitter_ms, router=args.router, profile=args.profile, gate=args.gate,
         seed=args.seed)
     if args.no_concurrency_limit:
         if args.concurrency is not None:
@@ -141,48 +176,58 @@ def resolve(parser: argparse.ArgumentParser,
         parser.error("; ".join(found))
     try:
         profile = load_profile(settings.profile)
-    except ProfileError as exc:
+        settings, profile = apply(settings, profile,
+                                  dict(parse_assignment(text) for text in args.set))
+    except (ProfileError, ParamError) as exc:
         parser.error(str(exc))
     return preset, settings, profile
 
 
-def _run_one(settings: SimSettings, profile: CostProfile, balance: bool, model_dir: Path,
-             show_progress: bool, position: int) -> Any:
+@dataclass(frozen=True)
+class Job:
+    key: str
+    settings: SimSettings
+    profile: CostProfile
+    arm: Arm
+
+
+def _run_job(job: Job, model_dir: Path, show_progress: bool, position: int) -> Any:
     import torch
     from tqdm import tqdm
 
     from dpsim.simulation import run
 
     torch.set_num_threads(1)
-    name = "on" if balance else "off"
-    label = f"balance {name}" + (f" (gate {settings.gate})" if balance else "")
-    with tqdm(total=settings.num_requests, desc=label, unit="req", position=position,
+    with tqdm(total=job.settings.num_requests, desc=job.key, unit="req", position=position,
               file=sys.stderr, disable=not show_progress, leave=True, dynamic_ncols=True) as bar:
-        return run(settings, profile, balance, model_dir=model_dir, progress=bar.update)
+        return run(job.settings, job.profile, job.arm, model_dir=model_dir, progress=bar.update)
 
 
-def run_all(settings: SimSettings, profile: CostProfile, modes: list[bool], jobs: int,
-            show_progress: bool) -> dict[str, Any]:
+def run_jobs(jobs: list[Job], processes: int, show_progress: bool) -> dict[str, Any]:
     from dpsim.cluster import prepare_model_dir
 
     model_dir = prepare_model_dir(Path(tempfile.mkdtemp(prefix="dpsim-model-")),
-                                  settings.max_model_len)
-    names = ["on" if balance else "off" for balance in modes]
-    if jobs == 1 or len(modes) == 1:
-        return {name: _run_one(settings, profile, balance, model_dir, show_progress, 0)
-                for name, balance in zip(names, modes)}
+                                  max(job.settings.max_model_len for job in jobs))
+    if processes == 1 or len(jobs) == 1:
+        return {job.key: _run_job(job, model_dir, show_progress, 0) for job in jobs}
     # fork: the children inherit the imported vLLM instead of importing it again.
-    with ProcessPoolExecutor(max_workers=min(jobs, len(modes)),
+    with ProcessPoolExecutor(max_workers=min(processes, len(jobs)),
                              mp_context=get_context("fork")) as pool:
-        futures = [pool.submit(_run_one, settings, profile, balance, model_dir, show_progress,
-                               position) for position, balance in enumerate(modes)]
-        return {name: future.result() for name, future in zip(names, futures)}
+        futures = [pool.submit(_run_job, job, model_dir, show_progress, position % processes)
+                   for position, job in enumerate(jobs)]
+        return {job.key: future.result() for job, future in zip(jobs, futures)}
 
 
-def _change(off: float, on: float) -> str:
-    if not off or math.isnan(off) or math.isnan(on):
+def _change(base: float, value: float) -> str:
+    if not base or math.isnan(base) or math.isnan(value):
         return ""
-    return f"{(on - off) / off * 100:+.1f}%"
+    return f"{(value - base) / base * 100:+.1f}%"
+
+
+def _fmt(fmt: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
 
 
 def same_workload(settings: SimSettings, preset: Preset) -> bool:
@@ -192,76 +237,221 @@ def same_workload(settings: SimSettings, preset: Preset) -> bool:
     return dataclasses.replace(settings, **ignored) == preset.settings
 
 
-def format_table(summaries: dict[str, dict[str, Any]], preset: Preset,
-                 with_paper: bool = True) -> str:
-    names = list(summaries)
-    paper = preset.paper if with_paper and set(names) == {"off", "on"} else {}
-    header = ["metric"] + [f"balance {n}" for n in names]
-    if len(names) == 2:
-        header.append("change")
-    if paper:
-        header += ["paper off", "paper on", "paper change"]
-    rows = [header]
-    for label, key, fmt in TABLE_ROWS:
-        values = [summaries[n].get(key) for n in names]
-        row = [label] + [fmt.format(v) if v is not None and not (
-            isinstance(v, float) and math.isnan(v)) else "-" for v in values]
-        if len(names) == 2:
-            row.append(_change(float(values[0]), float(values[1]))
-                       if key not in {"finished", "sim_wall_s"} else "")
-        if paper:
-            if key in PAPER_KEYS:
-                off, on = getattr(paper["off"], key), getattr(paper["on"], key)
-                row += [fmt.format(off), fmt.format(on), _change(off, on)]
-            else:
-                row += ["", "", ""]
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+# What the benchmark client did: a published row can be calibrated on with any deployment
+# assumption (DP size, router...), never with another workload.
+WORKLOAD_FIELDS = ("num_requests", "concurrency", "request_rate", "prompt_tokens",
+                   "output_tokens", "prompt_spread", "output_spread")
+
+
+def same_client_workload(settings: SimSettings, preset: Preset) -> bool:
+    return all(getattr(settings, f) == getattr(preset.settings, f) for f in WORKLOAD_FIELDS)
+
+
+def _layout(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
 
+def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: Preset,
+                 with_paper: bool = True) -> str:
+    """Arms side by side (changes vs the first arm), then the paper's figures when comparable."""
+    paper = {a.name: preset.paper[a.name] for a in arms
+             if with_paper and a.name in preset.paper}
+    two = len(arms) == 2
+    header = ["metric"] + [a.label for a in arms] + (["change"] if two else [])
+    for name in paper:
+        header += [f"paper {name}", f"{name} vs paper"]
+    if two and len(paper) == 2:
+        header.append("paper change")
+    rows = [header]
+    base = summaries[arms[0].name]
+    for label, key, fmt in TABLE_ROWS:
+        row = [label]
+        for index, arm in enumerate(arms):
+            value = summaries[arm.name].get(key)
+            cell = _fmt(fmt, value)
+            if not two and index and key not in NO_CHANGE and value is not None:
+                cell += f" {_change(float(base.get(key, math.nan)), float(value)):>7}"
+            row.append(cell)
+        if two:
+            off, on = (summaries[a.name].get(key) for a in arms)
+            row.append(_change(float(off), float(on))
+                       if key not in NO_CHANGE and off is not None and on is not None else "")
+        for name, figures in paper.items():
+            if key in figures:
+                row += [fmt.format(figures[key]),
+                        _change(figures[key], float(summaries[name].get(key, math.nan)))]
+            else:
+                row += ["", ""]
+        if two and len(paper) == 2:
+            off_p, on_p = (paper[a.name].get(key) for a in arms)
+            row.append(_change(off_p, on_p) if off_p is not None and on_p is not None else "")
+        rows.append(row)
+    return _layout(rows)
+
+
+def format_sweep(name: str, values: list[str], summaries: dict[str, dict[str, Any]],
+                 fitted: dict[str, CostProfile] | None = None) -> str:
+    header = [name, "off tok/s", "on tok/s"] + [f"{label} on vs off" for label, _ in SWEEP_KEYS]
+    header += ["off TTFT ms", "on TTFT ms", "off TPOT ms", "on TPOT ms"]
+    if fitted:
+        header.append("fitted costs (overhead, decode, per token, per prefill step; ms)")
+    rows = [header]
+    for value in values:
+        key = f"{name}={value}"
+        off, on = summaries[f"{key} off"], summaries[f"{key} on"]
+        rows.append([value, f"{off['output_tok_s']:.1f}", f"{on['output_tok_s']:.1f}"]
+                    + [_change(off[k], on[k]) for _, k in SWEEP_KEYS]
+                    + [f"{off['ttft_mean_ms']:.0f}", f"{on['ttft_mean_ms']:.0f}",
+                       f"{off['tpot_mean_ms']:.2f}", f"{on['tpot_mean_ms']:.2f}"])
+        if fitted:
+            p = fitted[key]
+            rows[-1].append(f"{p.step_overhead_ms:g}, {p.decode_ms_per_request:g}, "
+                            f"{p.prefill_ms_per_token:g}, {p.prefill_step_overhead_ms:g}")
+    return _layout(rows)
+
+
 def describe(settings: SimSettings, profile: CostProfile) -> str:
     arrivals = (f"closed loop, concurrency {settings.concurrency}"
                 if settings.request_rate is None else
                 f"Poisson {settings.request_rate} req/s, concurrency cap {settings.concurrency}")
+    mtp = (f"MTP k={profile.num_speculative_tokens} acceptance "
+           f"{profile.acceptance_rate_mean:g}±{profile.acceptance_rate_spread:g}"
+           if profile.num_speculative_tokens else "no MTP")
     return (f"DP {settings.dp_size} x max_num_seqs {settings.max_num_seqs}, "
             f"max_num_batched_tokens {settings.max_num_batched_tokens}; "
             f"{settings.num_requests} requests {settings.prompt_tokens}"
             f"(±{settings.prompt_spread:.0%})/{settings.output_tokens}"
             f"(±{settings.output_spread:.0%}) tokens, {arrivals}, jitter {settings.jitter_ms} ms, "
-            f"router {settings.router}"
-            + (f" (stats every {settings.lb_stats_interval_ms} ms)" if settings.router == "lb"
-               else "")
-            + f"; gate {settings.gate}; profile {profile.name} "
-            f"({profile.step_overhead_ms} ms + {profile.decode_ms_per_request} ms/decode req + "
-            f"{profile.prefill_ms_per_token} ms/prefill token); seed {settings.seed}")
+            f"router {settings.router}; gate {settings.gate}; profile {profile.name}: "
+            f"{profile.step_overhead_ms:g} ms + {profile.decode_ms_per_request:g} ms/decode req + "
+            f"{profile.prefill_ms_per_token:g} ms/prefill token + "
+            f"{profile.prefill_step_overhead_ms:g} ms/prefill step, noise cv "
+            f"{profile.step_noise_cv:g}, {mtp}, async scheduling "
+            f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
+            f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}")
+
+
+def _payload(summary: dict[str, Any], settings: SimSettings, profile: CostProfile) -> dict:
+    used = {k: str(v) if isinstance(v, Path) else v
+            for k, v in dataclasses.asdict(settings).items()}
+    return {**summary, "settings": used, "profile": {"name": profile.name, **profile.values()}}
+
+
+def _calibrated(args: argparse.Namespace, preset: Preset, settings: SimSettings,
+                profile: CostProfile,
+                parser: argparse.ArgumentParser) -> tuple[CostProfile, dict[str, Any]]:
+    """``profile`` with its costs fitted on the preset's baseline row, and that row's summary."""
+    from dpsim.calibration import calibrate
+
+    if "off" not in preset.paper or not same_client_workload(settings, preset):
+        parser.error("calibrating needs a preset with a published baseline row, and its "
+                     f"workload unchanged ({', '.join(WORKLOAD_FIELDS)})")
+    knob = args.calibrate_knob or preset.calibrate_knob
+
+    def run_off(profiles: list[CostProfile]) -> list[dict[str, Any]]:
+        jobs = [Job(f"off {i}", settings, p, OFF_ON[0]) for i, p in enumerate(profiles)]
+        results = run_jobs(jobs, args.jobs, not args.no_progress)
+        return [results[job.key].summary for job in jobs]
+
+    print(f"calibrating {settings.profile}: {knob} on {preset.source}'s "
+          f"baseline {' and '.join(preset.calibrate_on)}", flush=True)
+    return calibrate(profile, preset.paper["off"], preset.calibrate_on, knob, run_off,
+                     lambda s: print(s, flush=True))
+
+
+def calibrate_profile(args: argparse.Namespace, preset: Preset, settings: SimSettings,
+                      profile: CostProfile, parser: argparse.ArgumentParser) -> int:
+    try:
+        calibrated, _ = _calibrated(args, preset, settings, profile, parser)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    data = json.loads(settings.profile.read_text())
+    data.update(calibrated.values())
+    args.calibrate.parent.mkdir(parents=True, exist_ok=True)
+    args.calibrate.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {args.calibrate}", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     preset, settings, profile = resolve(parser, args)
-    modes = [False, True] if args.compare else [args.balance == "on"]
+    if args.calibrate is not None:
+        status = calibrate_profile(args, preset, settings, profile, parser)
+        print(f"wall time {time.perf_counter() - started:.1f} s", flush=True)
+        return status
+    if args.interval > 1 and (args.compare or args.compare_policies or args.sweep):
+        parser.error("--interval is for a single run (the comparisons choose their own)")
+    if args.recalibrate and not args.sweep:
+        parser.error("--recalibrate goes with --sweep")
+    sweep: tuple[str, list[str]] | None = None
+    if args.sweep:
+        try:
+            sweep = parse_sweep(args.sweep)
+            variants = [(f"{sweep[0]}={v}", *apply(settings, profile, {sweep[0]: v}))
+                        for v in sweep[1]]
+        except ParamError as exc:
+            parser.error(str(exc))
+        fitted: dict[str, dict[str, Any]] = {}
+        if args.recalibrate:
+            try:
+                for index, (key, s, p) in enumerate(variants):
+                    print(f"{key}:", flush=True)
+                    calibrated, fitted[f"{key} off"] = _calibrated(args, preset, s, p, parser)
+                    variants[index] = (key, s, calibrated)
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+        # A recalibrated variant's baseline run is the calibration's last run (deterministic).
+        jobs = [Job(f"{key} {arm.name}", s, p, arm) for key, s, p in variants for arm in OFF_ON
+                if f"{key} {arm.name}" not in fitted]
+        arms: list[Arm] = list(OFF_ON)
+    else:
+        if args.compare_policies:
+            arms = list(POLICIES)
+        elif args.compare:
+            arms = list(OFF_ON)
+        else:
+            arms = [Arm(args.balance if args.interval == 1 else f"{args.balance}+interval-"
+                        f"{args.interval}", args.balance == "on", args.interval)]
+        jobs = [Job(arm.name, settings, profile, arm) for arm in arms]
     print(describe(settings, profile), flush=True)
-    results = run_all(settings, profile, modes, args.jobs, not args.no_progress)
-    summaries = {name: result.summary for name, result in results.items()}
-    print(format_table(summaries, preset, same_workload(settings, preset)), flush=True)
+    results = run_jobs(jobs, args.jobs, not args.no_progress)
+    summaries = {key: result.summary for key, result in results.items()}
+    if sweep is not None:
+        summaries.update(fitted)
+        print(format_sweep(sweep[0], sweep[1], summaries,
+                           {key: p for key, _, p in variants} if fitted else None), flush=True)
+        payload: Any = [{"value": v, **{arm.name: _payload(summaries[f"{key} {arm.name}"], s, p)
+                                        for arm in OFF_ON}}
+                        for v, (key, s, p) in zip(sweep[1], variants)]
+    else:
+        print(format_table(summaries, arms, preset, same_workload(settings, preset)), flush=True)
+        payload = {key: _payload(summary, settings, profile) for key, summary in summaries.items()}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        used = {k: str(v) if isinstance(v, Path) else v
-                for k, v in dataclasses.asdict(settings).items()}
-        payload = {name: {**summary, "settings": used} for name, summary in summaries.items()}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot is not None:
-        from dpsim.plotting import save_comparison_plot
+    if args.plot is not None and sweep is None:
+        from dpsim.plotting import save_comparison_plot, save_policies_plot
 
-        save_comparison_plot(results, args.plot, describe(settings, profile),
-                             start_s=args.plot_start_s, window_s=args.plot_window_s or None)
+        title = describe(settings, profile)
+        if args.compare_policies:
+            save_policies_plot(results, arms, args.plot, title)
+        else:
+            save_comparison_plot(results, args.plot, title, start_s=args.plot_start_s,
+                                 window_s=args.plot_window_s or None)
         print(f"wrote {args.plot}", file=sys.stderr)
+    walls = [s["sim_wall_s"] for s in summaries.values()]
+    print(f"wall time {time.perf_counter() - started:.1f} s ({len(jobs)} run(s), "
+          f"{min(args.jobs, len(jobs))} process(es); longest run {max(walls):.1f} s)", flush=True)
     unfinished = {n: s["num_requests"] - s["finished"] for n, s in summaries.items()
                   if s["finished"] != s["num_requests"]}
     if unfinished:

@@ -1,29 +1,43 @@
 """DP ranks as real vLLM schedulers, stepped in lockstep in one process.
 
-Each rank is a real vLLM scheduler: ``BalanceScheduler`` with balance on (or the simulator's
-``CapMinusOneScheduler`` for the reverted ``cap-1`` gate rule), vLLM's own ``Scheduler`` with it off. A lockstep step schedules every rank, lets the caller price it, then feeds
-each rank a fake model output (one token per decoding request, none mid-prefill) and emulates the
-all-gather of ``balance_gather``: every rank's ``len(running)`` lands in every rank's
-``balance_queue``, exactly what the collective leaves. A rank with nothing to run still takes
-part in the step (MoE DP runs a dummy batch), which the cost model prices as the fixed overhead.
+Each rank is a real scheduler object: vLLM's own ``Scheduler``/``AsyncScheduler`` with balance
+off, ``BalanceScheduler``/``BalanceAsyncScheduler`` with balance on (``scheduler_class`` is the
+one place that chooses). Speculative decoding is vLLM's own: the config carries
+``num_speculative_tokens`` k, the scheduler schedules k drafts per decoding request inside the
+shared token budget and rolls rejected drafts back in ``update_from_output``.
+
+A lockstep step schedules every rank that has requests (a rank without any runs a dummy batch, as
+``DPEngineCoreProc`` does); the caller prices the step and later feeds each rank a fake model
+output: nothing for a request mid-prefill, otherwise one sampled token plus the drafts the
+acceptance model accepts. With async scheduling the next step is scheduled before this one's
+output arrives, exactly as vLLM's batch queue does; the fake output is therefore decided from
+what was scheduled, not from the request's state at update time. After every engine-loop
+iteration ``emulate_gather`` leaves what ``balance_gather``'s all-gather leaves.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offline_vllm import build_scheduler, emulate_gather, fake_model_output, make_vllm_config, write_tiny_model
+from offline_vllm import build_scheduler, emulate_gather, make_vllm_config, write_tiny_model
+from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
+from dpsim.cadence import PrefillCadence, deferred_prefills
+from dpsim.settings import GATES
 from dpsim.workload import RequestShape
-from vllm_ascend.core.balance_scheduler import BalanceScheduler
+from vllm_ascend.core.balance_scheduler import BalanceAsyncScheduler, BalanceScheduler
 
 EOS_TOKEN_ID = 1
+TOKEN_ID = 5  # what the fake model samples and drafts (never EOS)
 KV_BLOCK_SIZE = 16
 
 
@@ -50,9 +64,11 @@ def sim_request(request_id: str, shape: RequestShape, arrival_time: float) -> Re
                    pooling_params=None, arrival_time=arrival_time, block_hasher=None)
 
 
-class CapMinusOneScheduler(BalanceScheduler):
-    """The briefly shipped, reverted gate rule (vllm-ascend PR #7611 -> #8674): closed when some rank is within
-    one request of its cap. Kept here, not in the product, to measure the latency/throughput trade-off."""
+class _CapMinusOneGate:
+    """The briefly shipped, reverted gate rule (vllm-ascend PR #8674 went back to ``cap``):
+    closed when some rank is within one request of its cap. Kept to measure the trade-off."""
+
+    max_num_running_reqs: int
 
     @property
     def balance_gate_threshold(self) -> int:
@@ -60,12 +76,28 @@ class CapMinusOneScheduler(BalanceScheduler):
         return max(self.max_num_running_reqs - 1, 1)
 
 
-GATE_RULES: dict[str, type] = {"cap": BalanceScheduler, "cap-1": CapMinusOneScheduler}
+class CapMinusOneScheduler(_CapMinusOneGate, BalanceScheduler):
+    """``BalanceScheduler`` with the ``cap-1`` gate (simulator only)."""
 
 
-def scheduler_class(balance: bool, gate: str) -> type:
-    """The one place that picks each rank's class: the class is the balance decision."""
-    return GATE_RULES[gate] if balance else Scheduler
+class CapMinusOneAsyncScheduler(_CapMinusOneGate, BalanceAsyncScheduler):
+    """``BalanceAsyncScheduler`` with the ``cap-1`` gate (simulator only)."""
+
+
+def scheduler_class(balance: bool, async_scheduling: bool, gate: str = "cap") -> type:
+    """The scheduler class of every rank: the one place a policy becomes a class."""
+    if gate not in GATES:
+        raise ValueError(f"unknown gate rule {gate!r}; choose one of {', '.join(GATES)}")
+    if not balance:
+        return AsyncScheduler if async_scheduling else Scheduler
+    if gate == "cap-1":
+        return CapMinusOneAsyncScheduler if async_scheduling else CapMinusOneScheduler
+    return BalanceAsyncScheduler if async_scheduling else BalanceScheduler
+
+
+def build_schedulers(cls: type, config: Any, count: int) -> list[Any]:
+    # One config object for all ranks: a scheduler only reads the DP size from it.
+    return [build_scheduler(cls, config) for _ in range(count)]
 
 
 @dataclass
@@ -75,23 +107,48 @@ class RankWork:
     prefill_tokens: int
     decode_requests: int
     admitted: int
+    deferred: bool = False
+
+
+@dataclass
+class Batch:
+    """One lockstep step in flight: each rank's scheduler output (None: dummy batch), the
+    requests that sample a token in it (with their scheduled draft count), and its timing."""
+
+    outputs: list[Any]
+    sampling: list[list[tuple[str, int]]]
+    work: list[RankWork]
+    start: float = 0.0
+    end: float = 0.0
+
+
+AcceptedDrafts = Callable[[str, int], int]
 
 
 class LockstepCluster:
     def __init__(self, model_dir: Path, *, dp_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, balance: bool,
-                 gate: str) -> None:
+                 gate: str = "cap", async_scheduling: bool = False,
+                 num_speculative_tokens: int = 0, prefill_schedule_interval: int = 1) -> None:
         # Enough KV blocks that no rank ever preempts: the effect studied is admission timing.
         blocks_per_request = -(-max_model_len // KV_BLOCK_SIZE) + 1
+        # MTP itself needs the DeepSeek draft head; "ngram_gpu" is the drafter-free method vLLM
+        # accepts with async scheduling. The scheduler only reads num_speculative_tokens (and,
+        # for EAGLE/MTP, reserves KV lookahead slots, irrelevant with this much KV cache).
+        speculative = (SpeculativeConfig(method="ngram_gpu",
+                                         num_speculative_tokens=num_speculative_tokens)
+                       if num_speculative_tokens else None)
         config = make_vllm_config(
             model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, dp_size=dp_size,
-            num_blocks=max_num_seqs * blocks_per_request + 1)
-        # One config object for all ranks: a scheduler only reads the DP size from it.
-        self.schedulers: list[Any] = [build_scheduler(scheduler_class(balance, gate), config)
-                                      for _ in range(dp_size)]
+            max_model_len=max_model_len, dp_size=dp_size, async_scheduling=async_scheduling,
+            num_blocks=max_num_seqs * blocks_per_request + 1, speculative_config=speculative)
+        self.scheduler_cls = scheduler_class(balance, async_scheduling, gate)
+        self.schedulers: list[Any] = build_schedulers(self.scheduler_cls, config, dp_size)
         self.balance = balance
-        self._outputs: list[Any] = []
+        self.async_scheduling = async_scheduling
+        self.num_speculative_tokens = num_speculative_tokens
+        self.cadences = ([PrefillCadence(prefill_schedule_interval) for _ in range(dp_size)]
+                         if prefill_schedule_interval > 1 else None)
 
     def counts(self) -> list[tuple[int, int]]:
         """(waiting, running) of every rank, as the DP coordinator publishes them."""
@@ -101,8 +158,8 @@ class LockstepCluster:
     def running(self) -> list[int]:
         return [len(s.running) for s in self.schedulers]
 
-    def has_unfinished(self) -> bool:
-        return any(s.has_unfinished_requests() for s in self.schedulers)
+    def has_requests(self) -> bool:
+        return any(s.has_requests() for s in self.schedulers)
 
     def gate_closed(self) -> bool:
         return self.balance and self.schedulers[0].balance_gate_closed()
@@ -110,42 +167,94 @@ class LockstepCluster:
     def gated_steps(self) -> int:
         return sum(s.balance_gated_steps for s in self.schedulers) if self.balance else 0
 
-    def schedule(self) -> list[RankWork]:
-        """First half of a lockstep step: every rank schedules."""
-        work = []
-        self._outputs = []
-        for scheduler in self.schedulers:
-            output = scheduler.schedule()
-            self._outputs.append(output)
-            requests = scheduler.requests
-            prefill = decode = 0
-            for request_id, tokens in output.num_scheduled_tokens.items():
-                request = requests[request_id]
-                # schedule() already advanced num_computed_tokens: a decode step has caught up.
-                if tokens == 1 and request.num_computed_tokens == request.num_tokens:
-                    decode += 1
-                else:
-                    prefill += tokens
-            work.append(RankWork(prefill, decode, len(output.scheduled_new_reqs)))
-        return work
+    def deferred_steps(self) -> int:
+        return sum(c.deferred_steps for c in self.cadences) if self.cadences else 0
 
-    def finish(self) -> tuple[list[str], list[str]]:
-        """Second half: fake the model, update every rank, gather the running counts.
+    def schedule(self, step_counter: int) -> Batch:
+        """Every rank with requests schedules one step (``step_counter``: the DP engine loop's)."""
+        batch = Batch([], [], [])
+        for rank, scheduler in enumerate(self.schedulers):
+            if not scheduler.has_requests():
+                batch.outputs.append(None)
+                batch.sampling.append([])
+                batch.work.append(RankWork(0, 0, 0))
+                continue
+            cadence = self.cadences[rank] if self.cadences else None
+            deferred = cadence is not None and cadence.defers(step_counter, scheduler)
+            gated_before = scheduler.balance_gated_steps if self.balance else 0
+            if deferred:
+                assert cadence is not None
+                cadence.deferred_steps += 1
+                with deferred_prefills(scheduler):
+                    output = scheduler.schedule()
+            else:
+                output = scheduler.schedule()
+            if cadence is not None:
+                gated = self.balance and scheduler.balance_gated_steps > gated_before
+                cadence.after_step(scheduler, deferred,
+                                   admission_block_ran=not gated and not output.preempted_req_ids)
+            batch.outputs.append(output)
+            sampling, work = self._classify(scheduler, output)
+            work.deferred = deferred
+            batch.sampling.append(sampling)
+            batch.work.append(work)
+        return batch
 
-        Returns the ids that received a token this step and the ids that finished.
+    @staticmethod
+    def _classify(scheduler: Any, output: Any) -> tuple[list[tuple[str, int]], RankWork]:
+        requests = scheduler.requests
+        spec = output.scheduled_spec_decode_tokens
+        prefill = decode = 0
+        sampling = []
+        for request_id, tokens in output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            # schedule() already advanced num_computed_tokens by this step's tokens.
+            before = request.num_computed_tokens - tokens
+            prompt_part = min(tokens, request.num_prompt_tokens - before)
+            if prompt_part > 0:
+                prefill += prompt_part
+            else:
+                decode += 1
+            if not request.is_prefill_chunk:  # set by schedule() for this step
+                sampling.append((request_id, len(spec.get(request_id, ()))))
+        return sampling, RankWork(prefill, decode, len(output.scheduled_new_reqs))
+
+    def finish(self, batch: Batch,
+               accepted: AcceptedDrafts) -> tuple[list[tuple[str, int]], list[str]]:
+        """Fake the model for ``batch`` and update every rank with it.
+
+        Returns (request id, new tokens) for every request that received tokens, and the ids
+        that finished.
         """
-        produced: list[str] = []
+        produced: list[tuple[str, int]] = []
         finished: list[str] = []
-        for scheduler, output in zip(self.schedulers, self._outputs):
-            engine_outputs = scheduler.update_from_output(
-                output, fake_model_output(scheduler, output))
+        for scheduler, output, sampling in zip(self.schedulers, batch.outputs, batch.sampling):
+            if output is None:
+                continue
+            drafts = dict(sampling)
+            req_ids = list(output.num_scheduled_tokens)
+            sampled = [[TOKEN_ID] * (1 + accepted(r, drafts[r])) if r in drafts else []
+                       for r in req_ids]
+            model_output = ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                pooler_output=[])
+            engine_outputs = scheduler.update_from_output(output, model_output)
             for client_outputs in engine_outputs.values():
                 for out in client_outputs.outputs:
                     if out.new_token_ids:
-                        produced.append(out.request_id)
+                        produced.append((out.request_id, len(out.new_token_ids)))
                     if out.finish_reason is not None:
                         finished.append(out.request_id)
-        self._outputs = []
+            if self.num_speculative_tokens and not self.async_scheduling:
+                # EngineCore.post_step: the drafter's proposals for the next step (the async
+                # scheduler puts placeholders itself).
+                k = self.num_speculative_tokens
+                scheduler.update_draft_token_ids(DraftTokenIds(
+                    list(drafts), [[TOKEN_ID] * k for _ in drafts]))
+        return produced, finished
+
+    def gather(self) -> None:
+        """End of an engine-loop iteration: the balance all-gather (balance on only)."""
         if self.balance:
             emulate_gather(self.schedulers)
-        return produced, finished

@@ -1,8 +1,10 @@
-"""Parameters of one simulated deployment and workload, the named presets, and their checks.
+"""Parameters of one simulated deployment and workload, the policies compared, the named presets.
 
-A preset is a complete ``SimSettings``; command-line options override single fields. ``problems``
-lists everything wrong with a settings object in user terms, so the CLI can refuse bad input with
-one clear message instead of failing deep inside vLLM.
+A preset is a complete ``SimSettings`` plus the published figures it reproduces; command-line
+options override single fields. ``problems`` lists everything wrong with a settings object in user
+terms, so the CLI can refuse bad input with one clear message instead of failing deep inside vLLM.
+A policy (``Arm``) is what differs between the runs of one comparison: balance scheduling on or
+off, and vLLM's prefill schedule interval.
 """
 
 from __future__ import annotations
@@ -15,23 +17,24 @@ from dpsim.router import ROUTERS
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES_DIR = REPO_ROOT / "profiles"
 GATES = ("cap", "cap-1")
+# Room for the draft tokens the scheduler may place past the last output token.
+MODEL_LEN_MARGIN = 32
 
 
 @dataclass(frozen=True)
 class SimSettings:
     dp_size: int = 4
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 4096
     num_requests: int = 512
     concurrency: int | None = 128
     request_rate: float | None = None
     prompt_tokens: int = 3500
     output_tokens: int = 1500
     prompt_spread: float = 0.0
-    output_spread: float = 0.5
+    output_spread: float = 0.0
     jitter_ms: float = 0.0
     router: str = "lb"
-    lb_stats_interval_ms: float = 100.0
     profile: Path = PROFILES_DIR / "rfc-dsv31.json"
     gate: str = "cap"
     seed: int = 0
@@ -39,44 +42,90 @@ class SimSettings:
     @property
     def max_model_len(self) -> int:
         return (round(self.prompt_tokens * (1 + self.prompt_spread))
-                + round(self.output_tokens * (1 + self.output_spread)) + 1)
+                + round(self.output_tokens * (1 + self.output_spread)) + MODEL_LEN_MARGIN)
 
 
 @dataclass(frozen=True)
-class PaperResult:
-    """One row of a published result table (for the comparison columns)."""
+class Arm:
+    """One policy of a comparison."""
 
-    output_tok_s: float
-    tpot_mean_ms: float
-    ttft_mean_ms: float
-    e2e_s: float
+    name: str
+    balance: bool
+    interval: int = 1  # vLLM's --prefill-schedule-interval (1: off)
+
+    @property
+    def label(self) -> str:
+        parts = ["balance" if self.balance else ""] + (
+            [f"interval {self.interval}"] if self.interval > 1 else [])
+        return " + ".join(p for p in parts if p) or "balance off"
+
+
+OFF_ON = (Arm("off", False), Arm("on", True))
+POLICIES = (Arm("off", False), Arm("on", True), Arm("interval-2", False, 2),
+            Arm("interval-4", False, 4), Arm("on+interval-2", True, 2))
 
 
 @dataclass(frozen=True)
 class Preset:
     description: str
     settings: SimSettings
-    paper: dict[str, PaperResult] = field(default_factory=dict)
+    # arm name -> {summary key: published value}
+    paper: dict[str, dict[str, float]] = field(default_factory=dict)
+    source: str = ""
+    # Baseline figures the profile's costs are fitted on (--calibrate); all others are checks.
+    calibrate_on: tuple[str, ...] = ("tpot_mean_ms", "ttft_mean_ms")
+    # The prefill-cost parameter fitted (the baseline does not say which one makes steps long).
+    calibrate_knob: str = "prefill_ms_per_token"
 
 
 PRESETS: dict[str, Preset] = {
-    # vllm-ascend PR #5212: DeepSeek-V3.1, 3,500 in / 1,500 out, 512 requests, "batch size 128".
-    # Read here as: benchmark concurrency 128 = DP 4 x max_num_seqs 32; output lengths +-50%
-    # stand in for every source of desynchronisation between ranks (see docs/simulator.md).
+    # vllm-ascend PR #5212 (same table in vLLM RFC #29722): DeepSeek-V3.1, 3.5K in / 1.5K out
+    # (fixed), 512 requests, "batch size 128" = benchmark concurrency. Deployment from
+    # vllm-ascend's DeepSeek-V3.1 tutorial (DP 4 / TP 4, max-num-batched-tokens 4096, MTP k=3,
+    # decode-only graphs) except max_num_seqs: 32 (= 128 / DP) follows from the table itself
+    # (docs/simulator.md). The per-token prefill cost is a compute estimate, so the graph-less
+    # step's overhead and the decode cost scale are fitted, on the baseline's TPOT and TTFT.
     "rfc-dsv31": Preset(
-        description="vllm-ascend PR #5212 result table: DeepSeek-V3.1, 3500/1500 tokens, "
-                    "512 requests, concurrency 128 over DP 4 x max_num_seqs 32, outputs +-50%",
+        description="vllm-ascend PR #5212 result table: DeepSeek-V3.1, 3500/1500 tokens "
+                    "(fixed), 512 requests, concurrency 128 over DP 4 x max_num_seqs 32",
         settings=SimSettings(),
-        paper={"off": PaperResult(1297.3, 86.85, 6600.0, 591.9),
-               "on": PaperResult(1530.7, 70.63, 7012.0, 501.7)},
+        paper={"off": {"output_tok_s": 1297.3, "tpot_mean_ms": 86.85, "ttft_mean_ms": 6600.0,
+                       "e2e_s": 591.9},
+               "on": {"output_tok_s": 1530.7, "tpot_mean_ms": 70.63, "ttft_mean_ms": 7012.0,
+                      "e2e_s": 501.7}},
+        source="vllm-ascend PR #5212",
+        calibrate_knob="prefill_step_overhead_ms",
+    ),
+    # vLLM PR #44558 (--prefill-schedule-interval): DeepSeek-R1-0528 FP4, DP 8 / TP 1 / EP on
+    # 2x GB200, random 1k in / 200 out, Poisson 24 req/s, ignore-eos. max_num_seqs and the token
+    # budget are vLLM's defaults for that GPU class (1024 / 8192), the request count is ours
+    # (long enough that most requests live under full load). The decode step's cost is the PR's
+    # stated floor and the per-token prefill cost a compute estimate, so only the graph-less
+    # step's overhead is fitted, on the baseline's TPOT (docs/simulator.md).
+    "interval-pr-dsr1": Preset(
+        description="vLLM PR #44558 workload A: DeepSeek-R1 DP 8 / EP, 1000/200 tokens (fixed), "
+                    "Poisson 24 req/s, 2400 requests",
+        settings=SimSettings(dp_size=8, max_num_seqs=1024, max_num_batched_tokens=8192,
+                             num_requests=2400, concurrency=None, request_rate=24.0,
+                             prompt_tokens=1000, output_tokens=200,
+                             profile=PROFILES_DIR / "interval-pr-dsr1.json"),
+        paper={"off": {"request_s": 22.43, "itl_p50_ms": 274.9, "itl_mean_ms": 236.7,
+                       "tpot_mean_ms": 240.5, "ttft_mean_ms": 813.0, "ttft_p99_ms": 2476.0},
+               "interval-2": {"request_s": 22.59, "itl_p50_ms": 32.1, "itl_mean_ms": 139.4,
+                              "tpot_mean_ms": 140.2, "ttft_mean_ms": 502.0,
+                              "ttft_p99_ms": 1475.0}},
+        source="vLLM PR #44558",
+        calibrate_on=("tpot_mean_ms",),
+        calibrate_knob="prefill_step_overhead_ms",
     ),
 }
+
+SETTINGS_FIELDS = {f.name for f in fields(SimSettings)}
 
 
 def with_overrides(base: SimSettings, **overrides: object) -> SimSettings:
     """``base`` with every override that is not None."""
-    names = {f.name for f in fields(SimSettings)}
-    unknown = set(overrides) - names
+    unknown = set(overrides) - SETTINGS_FIELDS
     if unknown:
         raise TypeError(f"unknown settings {sorted(unknown)}")
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
@@ -101,9 +150,8 @@ def problems(settings: SimSettings) -> list[str]:
         value = getattr(settings, name)
         if not 0.0 <= value < 1.0:
             found.append(f"{name.replace('_', ' ')} must be in [0, 1), got {value}")
-    for name in ("jitter_ms", "lb_stats_interval_ms"):
-        if getattr(settings, name) < 0:
-            found.append(f"{name} must be >= 0, got {getattr(settings, name)}")
+    if settings.jitter_ms < 0:
+        found.append(f"jitter_ms must be >= 0, got {settings.jitter_ms}")
     if settings.router not in ROUTERS:
         found.append(f"unknown router {settings.router!r}; choose one of {', '.join(ROUTERS)}")
     if settings.gate not in GATES:

@@ -1,8 +1,14 @@
 """One simulated benchmark run: client, router, lockstep cluster, cost model and recorder.
 
-The clock is simulated: each lockstep step advances it by the cost model's price of the slowest
-rank. Requests sent while a step runs reach their rank before the next step, as the engine's
-input queue does. When no rank has work, the clock jumps to the next send (the DP ranks idle).
+The clock is simulated and follows vLLM's DP engine loop (``DPEngineCoreProc.run_busy_loop``),
+one iteration at a time: take the requests that arrived, schedule a step on every rank (a step is
+queued behind the one executing; with async scheduling the queue holds two, so step n+1 is
+scheduled before step n's output is known, as vLLM's batch queue does), wait for the oldest
+step to finish (the clock advances by the cost model's price of its slowest rank), update the
+schedulers with its output, then end the iteration as ``_has_global_unfinished_reqs`` does: the
+balance all-gather and ``step_counter += 1``. When every rank is idle the loop keeps stepping
+dummy batches until the counter reaches a multiple of 32 (vLLM's wave check), then the wave ends:
+the counter resets to 0 and the clock jumps to the next send.
 """
 
 from __future__ import annotations
@@ -10,17 +16,20 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from dpsim.cluster import LockstepCluster, prepare_model_dir, sim_request
+from dpsim.cadence import WAVE_CHECK_STEPS
+from dpsim.cluster import Batch, LockstepCluster, prepare_model_dir, sim_request
 from dpsim.costmodel import CostProfile
 from dpsim.metrics import RunRecorder, RunResult
 from dpsim.router import make_router
-from dpsim.settings import SimSettings
+from dpsim.settings import Arm, SimSettings
+from dpsim.speculative import AcceptanceModel
 from dpsim.workload import Client, sample_shapes
 
-# Far more steps than any sane run needs: a stuck run fails instead of spinning forever.
+# Far more iterations than any sane run needs: a stuck run fails instead of spinning forever.
 MAX_STEPS_PER_OUTPUT_TOKEN = 50
 
 ProgressHook = Callable[[int], None]
@@ -30,59 +39,97 @@ class SimulationStuck(RuntimeError):
     """Requests remain but no rank makes progress (a bug, or a gate that never reopens)."""
 
 
-def run(settings: SimSettings, profile: CostProfile, balance: bool,
-        model_dir: Path | None = None, progress: ProgressHook | None = None) -> RunResult:
+def run(settings: SimSettings, profile: CostProfile, arm: Arm, model_dir: Path | None = None,
+        progress: ProgressHook | None = None) -> RunResult:
     """Simulate the whole benchmark once; ``progress(n)`` is told of n newly finished requests."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if model_dir is None:
         model_dir = prepare_model_dir(Path(tempfile.mkdtemp(prefix="dpsim-model-")),
                                       settings.max_model_len)
     cluster = LockstepCluster(
         model_dir, dp_size=settings.dp_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len, balance=balance, gate=settings.gate)
-    # Same seed for both runs of a comparison: identical lengths and client jitter draws.
+        max_model_len=settings.max_model_len, balance=arm.balance, gate=settings.gate,
+        async_scheduling=profile.async_scheduling,
+        num_speculative_tokens=profile.num_speculative_tokens,
+        prefill_schedule_interval=arm.interval)
+    # Same seeds in every arm: identical lengths, client jitter, acceptance and noise draws.
     shapes = sample_shapes(settings.num_requests, settings.prompt_tokens, settings.output_tokens,
                            settings.prompt_spread, settings.output_spread,
                            random.Random(settings.seed))
     client = Client(settings.num_requests, settings.concurrency, settings.request_rate,
                     settings.jitter_ms / 1000.0, random.Random(settings.seed + 1))
+    acceptance = AcceptanceModel(settings.num_requests, profile.acceptance_rate_mean,
+                                 profile.acceptance_rate_spread, settings.seed + 2)
+    noise = random.Random(settings.seed + 3)
     router = make_router(settings.router, settings.dp_size, cluster.counts,
-                         settings.lb_stats_interval_ms / 1000.0)
+                         profile.coordinator_publish_ms / 1000.0)
     recorder = RunRecorder(settings.num_requests)
-    max_steps = MAX_STEPS_PER_OUTPUT_TOKEN * settings.num_requests * (
+    max_iterations = MAX_STEPS_PER_OUTPUT_TOKEN * settings.num_requests * (
         settings.output_tokens + settings.prompt_tokens) // max(settings.max_num_seqs, 1) + 1000
+    depth = 2 if profile.async_scheduling else 1
+
+    def accepted(request_id: str, drafts: int) -> int:
+        return acceptance.accepted(int(request_id), drafts) if drafts else 0
 
     now = 0.0
+    device_free_at = 0.0  # when the step executing now ends
+    queue: deque[Batch] = deque()
+    step_counter = 0  # DPEngineCoreProc.step_counter: same on every rank
+    iterations = dummy_steps = 0
     remaining = settings.num_requests
     while remaining:
         for sent_at, index in client.due(now):
             recorder.sent(index, sent_at)
             rank = router.route(sent_at)
             cluster.schedulers[rank].add_request(sim_request(str(index), shapes[index], sent_at))
-        if not cluster.has_unfinished():
+        iterations += 1
+        if iterations > max_iterations:
+            raise SimulationStuck(
+                f"{remaining} requests unfinished after {iterations} iterations "
+                f"(running per rank: {cluster.running()}, gate closed: {cluster.gate_closed()})")
+        if not cluster.has_requests() and not queue:
+            if step_counter % WAVE_CHECK_STEPS:
+                # Idle ranks keep running dummy batches until the wave check.
+                dummy_steps += 1
+                now += profile.step_s([0.0] * settings.dp_size, noise)
+                step_counter += 1
+                continue
             next_send = client.next_send_time()
             if next_send is None:
                 raise SimulationStuck(f"{remaining} requests never sent (client bug)")
+            step_counter = 0  # the wave ended: the next one starts at 0
             now = max(now, next_send)
             continue
-        work = cluster.schedule()
-        slowest = max(profile.rank_ms(w.prefill_tokens, w.decode_requests) for w in work)
-        now += profile.step_s(slowest)
-        produced, finished = cluster.finish()
-        for request_id in produced:
-            recorder.produced(int(request_id), now)
+        if cluster.has_requests():
+            batch = cluster.schedule(step_counter)
+            batch.start = max(now, device_free_at)
+            work_ms = [profile.rank_ms(w.prefill_tokens, w.decode_requests) for w in batch.work]
+            prefill = any(w.prefill_tokens for w in batch.work)
+            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise, prefill)
+            queue.append(batch)
+            if len(queue) < depth:
+                # vLLM returns without waiting while the batch queue has room.
+                cluster.gather()
+                step_counter += 1
+                continue
+        batch = queue.popleft()
+        now = max(now, batch.end)
+        produced, finished = cluster.finish(batch, accepted)
+        for request_id, count in produced:
+            recorder.produced(int(request_id), now, count)
+        recorder.step(now, batch.work, cluster.running())
         for request_id in finished:
             recorder.done(int(request_id), now)
             client.finished(now)
         remaining -= len(finished)
         if finished and progress is not None:
             progress(len(finished))
-        recorder.step(now, work, cluster.running())
+        cluster.gather()
+        step_counter += 1
         router.observe(now)
-        if recorder.steps > max_steps:
-            raise SimulationStuck(
-                f"{remaining} requests unfinished after {recorder.steps} steps "
-                f"(running per rank: {cluster.running()}, gate closed: {cluster.gate_closed()})")
-    return recorder.result(settings.dp_size, cluster.gated_steps(),
-                           time.perf_counter() - started)
+    counters = {"gated_rank_steps": cluster.gated_steps(),
+                "deferred_rank_steps": cluster.deferred_steps(), "dummy_steps": dummy_steps}
+    result = recorder.result(settings.dp_size, counters, time.perf_counter() - started)
+    result.summary["sim_cpu_s"] = time.process_time() - cpu_started
+    return result
