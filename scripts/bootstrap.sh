@@ -28,6 +28,8 @@ set -euo pipefail
 
 line="${1:-v0.18.0}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative VLLM_ASCEND_SRC names a path from where the command was run, not from the repo root.
+if [ -n "${VLLM_ASCEND_SRC:-}" ]; then VLLM_ASCEND_SRC="$(realpath -m -- "$VLLM_ASCEND_SRC")"; fi
 cd "$root"
 
 # ascend_version: a wheel version on the package index, "source" (built from ascend_commit), or
