@@ -3,7 +3,20 @@
 # this project into it the way a user would. Idempotent: a stamp records what was installed, so a
 # second run with unchanged inputs only re-installs this project (cheap) and never the 3 GB base.
 #
-#   scripts/bootstrap.sh [LINE]      LINE = v0.18.0 (default, venv .venv) or v0.23.0 (.venv-v0.23.0)
+#   scripts/bootstrap.sh [LINE]
+#
+#   LINE      vLLM     vllm-ascend                              venv
+#   v0.18.0   0.18.0   0.18.0 (wheel)                           .venv (default)
+#   v0.23.0   0.23.0   0.23.0 (wheel)                           .venv-v0.23.0
+#   main      0.27.1   main at commit 182b75ea84ff (source)     .venv-main
+#   v0.33.0   0.33.0   none (no vllm-ascend supports 0.33 yet)  .venv-v0.33.0
+#
+# The main line builds vllm-ascend's Python package from source, without its NPU kernels
+# (COMPILE_CUSTOM_KERNELS=0). The source is, in this order:
+#   VLLM_ASCEND_SRC=<dir>          a checkout of the tree (a git checkout must be at the commit)
+#   VLLM_ASCEND_SRC=<file.tar.gz>  an archive holding the tree in one top directory (CI passes
+#                                  ../shared/upstream/vllm-ascend-main-<commit>.tar.gz)
+#   (unset)                        a git fetch of the pinned commit from GitHub (needs network)
 #
 # Why each choice:
 #  - torch==2.13.0 is the CPU build lying on this machine's disk; a bare "torch" would pull CUDA.
@@ -15,22 +28,80 @@ set -euo pipefail
 
 line="${1:-v0.18.0}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative VLLM_ASCEND_SRC names a path from where the command was run, not from the repo root.
+if [ -n "${VLLM_ASCEND_SRC:-}" ]; then VLLM_ASCEND_SRC="$(realpath -m -- "$VLLM_ASCEND_SRC")"; fi
 cd "$root"
 
+# ascend_version: a wheel version on the package index, "source" (built from ascend_commit), or
+# "none" (the line runs without vllm-ascend).
+ascend_commit=""
 case "$line" in
   v0.18.0) venv=".venv"; vllm_version="0.18.0"; ascend_version="0.18.0" ;;
   v0.23.0) venv=".venv-v0.23.0"; vllm_version="0.23.0"; ascend_version="0.23.0" ;;
-  *) echo "bootstrap: unknown release line '$line' (supported: v0.18.0, v0.23.0)" >&2; exit 2 ;;
+  main) venv=".venv-main"; vllm_version="0.27.1"; ascend_version="source"
+        ascend_commit="182b75ea84ff13ece27b57391331ef8935410aea" ;;
+  v0.33.0) venv=".venv-v0.33.0"; vllm_version="0.33.0"; ascend_version="none" ;;
+  *) echo "bootstrap: unknown release line '$line' (supported: v0.18.0, v0.23.0, main, v0.33.0)" >&2
+     exit 2 ;;
 esac
+ascend_repo="https://github.com/vllm-project/vllm-ascend"
 
 python_bin="${PYTHON:-python3.11}"
 command -v "$python_bin" >/dev/null 2>&1 || python_bin=python3
 "$python_bin" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' || {
   echo "bootstrap: Python 3.11 is required (found $("$python_bin" --version 2>&1))" >&2; exit 2; }
 
-stamp_inputs="$line vllm==$vllm_version vllm-ascend==$ascend_version torch==2.13.0 \
+stamp_inputs="$line vllm==$vllm_version vllm-ascend==$ascend_version$ascend_commit torch==2.13.0 \
 $(sha256sum requirements/"$line".txt requirements/test.txt requirements/tools.txt | cut -c1-16 | tr '\n' ' ')"
 stamp="$venv/.balance-bootstrap-stamp"
+
+# vllm-ascend from source (main line): the tree at $ascend_commit, from VLLM_ASCEND_SRC or git,
+# installed as a Python package only. Its setup.py builds the CMake/NPU kernels unless
+# COMPILE_CUSTOM_KERNELS=0, and asks npu-smi for the chip unless SOC_VERSION is set (it only
+# records the device family in vllm_ascend/_build_info.py; A2, as vllm-ascend's Dockerfile).
+# Build isolation is off: its build requirements pin torch_npu and CUDA-free torch 2.10.
+install_vllm_ascend_source() {
+  local tree src="${VLLM_ASCEND_SRC:-}" work="$venv/.vllm-ascend-build"
+  rm -rf "$work"; mkdir -p "$work"
+  if [ -z "$src" ]; then
+    echo "bootstrap: fetching vllm-ascend $ascend_commit from $ascend_repo" >&2
+    tree="$work/vllm-ascend"
+    git init -q "$tree"
+    git -C "$tree" fetch -q --depth 1 "$ascend_repo" "$ascend_commit" || {
+      echo "bootstrap: cannot fetch vllm-ascend from $ascend_repo (no network?); set" \
+        "VLLM_ASCEND_SRC to a checkout or source archive of commit $ascend_commit" >&2; exit 1; }
+    git -C "$tree" checkout -q --detach FETCH_HEAD
+  elif [ -d "$src" ]; then
+    if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
+      local head; head="$(git -C "$src" rev-parse HEAD)"
+      [ "$head" = "$ascend_commit" ] || {
+        echo "bootstrap: VLLM_ASCEND_SRC=$src is at $head, the main line needs $ascend_commit" >&2
+        exit 1; }
+    fi
+    # A copy: setup.py writes _version.py and _build_info.py into the tree it builds.
+    tree="$work/vllm-ascend"
+    mkdir "$tree"
+    tar -C "$src" --exclude=.git -cf - . | tar -C "$tree" -xf -
+  elif [ -f "$src" ]; then
+    tar -C "$work" -xf "$src"
+    tree="$(find "$work" -mindepth 1 -maxdepth 2 -name setup.py -printf '%h\n' | head -n 1)"
+  else
+    echo "bootstrap: VLLM_ASCEND_SRC=$src is neither a directory nor a file" >&2; exit 1
+  fi
+  [ -n "$tree" ] && [ -f "$tree/setup.py" ] && [ -d "$tree/vllm_ascend" ] || {
+    echo "bootstrap: no vllm-ascend source tree (setup.py + vllm_ascend/) in ${src:-the fetch}" >&2
+    exit 1; }
+  # The tree must be the vllm-ascend that pairs with this line's vLLM.
+  local pinned; pinned="$(cat "$tree/.github/vllm-release-tag.commit" 2>/dev/null || true)"
+  [ "$pinned" = "v$vllm_version" ] || {
+    echo "bootstrap: vllm-ascend source in ${src:-the fetch} pins vLLM '${pinned:-?}'" \
+      "(.github/vllm-release-tag.commit), the $line line needs v$vllm_version" >&2; exit 1; }
+  echo "bootstrap: installing vllm-ascend ${ascend_commit:0:12} from ${src:-git} (no NPU kernels)" >&2
+  COMPILE_CUSTOM_KERNELS=0 SOC_VERSION="${SOC_VERSION:-ascend910b1}" \
+    SETUPTOOLS_SCM_PRETEND_VERSION="0.0.0+main.${ascend_commit:0:12}" \
+    "${pip[@]}" install --no-deps --no-build-isolation "$tree"
+  rm -rf "$work"
+}
 
 # Several shells (or helper sessions) may run this at once: one installer at a time per venv.
 mkdir -p "$venv"
@@ -46,7 +117,12 @@ else
   "${pip[@]}" install torch==2.13.0
   "${pip[@]}" install --no-deps -r requirements/"$line".txt -r requirements/test.txt \
     -r requirements/tools.txt
-  "${pip[@]}" install --no-deps "vllm==$vllm_version" "vllm-ascend==$ascend_version"
+  "${pip[@]}" install --no-deps "vllm==$vllm_version"
+  case "$ascend_version" in
+    none) ;;
+    source) install_vllm_ascend_source ;;
+    *) "${pip[@]}" install --no-deps "vllm-ascend==$ascend_version" ;;
+  esac
   # A CUDA torch or torch_npu in this env would be a bootstrap bug: refuse loudly.
   "$venv/bin/python" - <<'EOF'
 import importlib.util, sys

@@ -3,13 +3,13 @@
 # working tree, then runs the main job: the DP serving simulator on real vLLM schedulers,
 # reproducing the balance-scheduling result table (balance off vs on) with a plot.
 #
-#   scripts/run.sh [LINE] [simulate_dp.py args...]     LINE = v0.18.0 (default)
+#   scripts/run.sh [LINE] [simulate_dp.py args...]     LINE = v0.18.0 (default), v0.23.0, main or v0.33.0
 #
 # With no arguments: --preset rfc-dsv31 --compare, results in out/ (JSON and PNG).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 line="v0.18.0"
-if [ $# -gt 0 ] && [[ "$1" == v* ]]; then line="$1"; shift; fi
+if [ $# -gt 0 ] && [[ "$1" == v* || "$1" == main ]]; then line="$1"; shift; fi
 venv="$("$root/scripts/bootstrap.sh" "$line")"
 cd "$root"
 if [ $# -eq 0 ]; then

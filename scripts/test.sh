@@ -2,11 +2,11 @@
 # The README's test command: sets up (or reuses) the environment for one release line, reinstalls
 # this project from the working tree, then runs the unit tests.
 #
-#   scripts/test.sh [LINE] [pytest args...]     LINE = v0.18.0 (default)
+#   scripts/test.sh [LINE] [pytest args...]     LINE = v0.18.0 (default), v0.23.0, main or v0.33.0
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 line="v0.18.0"
-if [ $# -gt 0 ] && [[ "$1" == v* ]]; then line="$1"; shift; fi
+if [ $# -gt 0 ] && [[ "$1" == v* || "$1" == main ]]; then line="$1"; shift; fi
 venv="$("$root/scripts/bootstrap.sh" "$line")"
 cd "$root"
 # The venv's pytest (not `python -m pytest`, which would put the repo root on sys.path): the
