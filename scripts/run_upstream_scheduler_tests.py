@@ -34,6 +34,9 @@ TEST_FILES = ["tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_sched
 SUPPORT_FILES = ["tests/__init__.py", "tests/v1/__init__.py", "tests/v1/core/__init__.py",
                  "tests/v1/core/utils.py", "tests/v1/kv_connector/__init__.py",
                  "tests/v1/kv_connector/unit/__init__.py", "tests/v1/kv_connector/unit/utils.py"]
+# Imported by some releases' scheduler tests (0.33: a helper from test_prefix_caching); extracted
+# when the archive has it, never collected.
+OPTIONAL_SUPPORT_FILES = ["tests/v1/core/test_prefix_caching.py"]
 
 CPU_PLUGIN = '''
 """pytest plugin: this CPU machine stands in for the accelerator (vLLM only auto-detects CPU
@@ -124,7 +127,9 @@ def fetch_sdist(version: str) -> Path:
 def extract_tests(sdist: Path, version: str, into: Path) -> None:
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as archive:
-        for name in TEST_FILES + SUPPORT_FILES:
+        present = set(archive.getnames())
+        optional = [name for name in OPTIONAL_SUPPORT_FILES if prefix + name in present]
+        for name in TEST_FILES + SUPPORT_FILES + optional:
             member = archive.getmember(prefix + name)
             extracted = archive.extractfile(member)
             assert extracted is not None
@@ -199,6 +204,17 @@ def main() -> int:
         "do_layer_norm_before": True, "eos_token_id": 2, "bos_token_id": 2, "pad_token_id": 1,
         "torch_dtype": "float16"})
     fake_llava(hf_home)
+    # vLLM 0.33's streaming-lookahead tests build a hybrid model with MTP speculative decoding.
+    fake_hub_model(hf_home, "Qwen/Qwen3-Next-80B-A3B-Instruct", {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "full_attention_interval": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
+        "mtp_num_hidden_layers": 1, "vocab_size": 1024, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16"})
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(work),
            "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", "ascend_balance_scheduling")}
