@@ -36,10 +36,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomllib
 from export_patches import PATCHES_DIR, base_release
 from patch_journal import AFTER, BEFORE, Change, JournalError, Pending, StateDir, sha256
 
@@ -55,6 +55,7 @@ class ApplyError(RuntimeError):
 
 class Status(enum.Enum):
     """What ``status`` reports, with its exit code (0 only for a clean state)."""
+
     APPLIED = ("applied", 0)
     NOT_APPLIED = ("not applied", 0)
     INTERRUPTED = ("interrupted", 3)
@@ -69,8 +70,10 @@ class Status(enum.Enum):
         return self.value[1]
 
 
-EXIT_CODES = "\n".join(f"  {s.code}  {s.value[0]}" for s in Status if s.code) + \
-    "\n  1  the command failed or refused (the message says why and what to run)"
+EXIT_CODES = (
+    "\n".join(f"  {s.code}  {s.value[0]}" for s in Status if s.code)
+    + "\n  1  the command failed or refused (the message says why and what to run)"
+)
 
 
 # ------------------------------------------------------------------------------------ target
@@ -89,8 +92,7 @@ class Target:
     @property
     def kind(self) -> str:
         ahead = f" +{self.commits_after_tag} commits" if self.commits_after_tag else ""
-        return (f"{'installed vllm-ascend' if self.installed else 'checkout'} "
-                f"{self.version or 'version unknown'}{ahead}")
+        return f"{'installed vllm-ascend' if self.installed else 'checkout'} {self.version or 'version unknown'}{ahead}"
 
     def wanted(self, path: str) -> bool:
         return not self.installed or path.startswith("vllm_ascend/")
@@ -103,8 +105,7 @@ def find_target(target: Path | None, installed: bool) -> Target:
             raise ApplyError("vllm_ascend is not installed in this Python environment")
         root = Path(next(iter(spec.submodule_search_locations))).parent.resolve()
     elif target is None:
-        raise ApplyError("give --target DIR (a vllm-ascend checkout or site-packages) "
-                         "or --installed")
+        raise ApplyError("give --target DIR (a vllm-ascend checkout or site-packages) or --installed")
     else:
         root = target.resolve()  # relative to the current directory
     if not (root / "vllm_ascend").is_dir():
@@ -112,8 +113,11 @@ def find_target(target: Path | None, installed: bool) -> Target:
     dist_infos = sorted(root.glob("vllm_ascend-*.dist-info"))
     if dist_infos:
         if len(dist_infos) > 1:
-            raise ApplyError(f"{root} holds several vllm-ascend installs ("
-                             + ", ".join(p.name for p in dist_infos) + "): reinstall vllm-ascend")
+            raise ApplyError(
+                f"{root} holds several vllm-ascend installs ("
+                + ", ".join(p.name for p in dist_infos)
+                + "): reinstall vllm-ascend"
+            )
         return Target(root, True, _dist_info_version(dist_infos[0]), dist_infos[0].name)
     return _checkout(root)
 
@@ -131,16 +135,21 @@ def _checkout(root: Path) -> Target:
     """A checkout's version: its release tag (``git describe``), else its ``_version.py``."""
     if (root / ".git").exists():
         env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
-        described = subprocess.run(["git", "describe", "--tags", "--match", "v[0-9]*"],
-                                   cwd=root, env=env, capture_output=True, text=True)
+        described = subprocess.run(
+            ["git", "describe", "--tags", "--match", "v[0-9]*"], cwd=root, env=env, capture_output=True, text=True
+        )
         match = re.fullmatch(r"v(\S+?)(?:-(\d+)-g[0-9a-f]+)?", described.stdout.strip())
         if described.returncode == 0 and match:
-            return Target(root, False, match.group(1), f"git describe {described.stdout.strip()}",
-                          int(match.group(2) or 0))
+            return Target(
+                root, False, match.group(1), f"git describe {described.stdout.strip()}", int(match.group(2) or 0)
+            )
     version_file = root / "vllm_ascend" / "_version.py"
     if version_file.is_file():
-        match = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",
-                          version_file.read_text(errors="replace"), re.MULTILINE)
+        match = re.search(
+            r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",
+            version_file.read_text(errors="replace"),
+            re.MULTILINE,
+        )
         if match:
             return Target(root, False, match.group(1), "vllm_ascend/_version.py")
     return Target(root, False, None, "version unknown")
@@ -210,34 +219,43 @@ def select_series(target: Target, manifests: Path, explicit: Path | None) -> tup
         release = by_directory.get(directory)
         if release is None:  # a series no manifest names: its version is the user's business
             return load_series(directory, None), ""
-        if target.version is not None and release not in (target.version,
-                                                          base_release(target.version)):
-            raise ApplyError(f"{directory} is the series for vllm-ascend {release}, but {where} "
-                             f"is vllm-ascend {target.version} (series exist for "
-                             f"{_listing(available)}; without --series the target's is used)")
+        if target.version is not None and release not in (target.version, base_release(target.version)):
+            raise ApplyError(
+                f"{directory} is the series for vllm-ascend {release}, but {where} "
+                f"is vllm-ascend {target.version} (series exist for "
+                f"{_listing(available)}; without --series the target's is used)"
+            )
     elif target.version is None:
-        raise ApplyError(f"cannot tell the vllm-ascend version of {where}: no dist-info, no "
-                         f"release tag, no vllm_ascend/_version.py; give --series (series exist "
-                         f"for {_listing(available)})")
+        raise ApplyError(
+            f"cannot tell the vllm-ascend version of {where}: no dist-info, no "
+            f"release tag, no vllm_ascend/_version.py; give --series (series exist "
+            f"for {_listing(available)})"
+        )
     else:
-        release = next((r for r in (target.version, base_release(target.version))
-                        if r in available), None)
+        release = next((r for r in (target.version, base_release(target.version)) if r in available), None)
         if release is None:
-            raise ApplyError(f"no series for vllm-ascend {target.version} at {where} (series "
-                             f"exist for {_listing(available)})")
+            raise ApplyError(
+                f"no series for vllm-ascend {target.version} at {where} (series exist for {_listing(available)})"
+            )
         directory = available[release]
     series = load_series(directory, release)
     if target.version is None or target.version == release or target.commits_after_tag:
         return series, ""
     # A post-release or local build: usable only where it is the release, file for file.
-    differing = [path for path, (old, new) in sorted(series.blobs.items()) if target.wanted(path)
-                 and not any(_same_blob(target.root / path, blob) for blob in (old, new))]
+    differing = [
+        path
+        for path, (old, new) in sorted(series.blobs.items())
+        if target.wanted(path) and not any(_same_blob(target.root / path, blob) for blob in (old, new))
+    ]
     if differing:
-        raise ApplyError(f"vllm-ascend {target.version} at {where} differs from {release} in "
-                         f"{', '.join(differing)}: the {release} series is not for it (series "
-                         f"exist for {_listing(available)})")
-    return series, (f"vllm-ascend {target.version} uses the {release} series: every file it "
-                    f"touches is identical to {release}'s")
+        raise ApplyError(
+            f"vllm-ascend {target.version} at {where} differs from {release} in "
+            f"{', '.join(differing)}: the {release} series is not for it (series "
+            f"exist for {_listing(available)})"
+        )
+    return series, (
+        f"vllm-ascend {target.version} uses the {release} series: every file it touches is identical to {release}'s"
+    )
 
 
 def _same_blob(path: Path, expected: str | None) -> bool:
@@ -250,8 +268,9 @@ def _same_blob(path: Path, expected: str | None) -> bool:
 
 
 # ------------------------------------------------------------------------------ git apply
-def _git_apply(root: Path, patches: tuple[Path, ...], *flags: str,
-               include: list[str]) -> subprocess.CompletedProcess[str]:
+def _git_apply(
+    root: Path, patches: tuple[Path, ...], *flags: str, include: list[str]
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     # A site-packages inside some git work tree must not make git apply paths relative to that
     # repository (it would skip them as "outside the directory").
@@ -275,8 +294,7 @@ def touched_paths(target: Target, series: Series) -> list[str]:
 
 def applies(target: Target, series: Series, reverse: bool, paths: list[str] | None = None) -> bool:
     flags = ("--check", "-R") if reverse else ("--check",)
-    return _git_apply(target.root, series.patches, *flags,
-                      include=_includes(target, paths)).returncode == 0
+    return _git_apply(target.root, series.patches, *flags, include=_includes(target, paths)).returncode == 0
 
 
 def plan(target: Target, series: Series, reverse: bool, paths: list[str]) -> list[Change]:
@@ -298,9 +316,15 @@ def plan(target: Target, series: Series, reverse: bool, paths: list[str]) -> lis
         for path in paths:
             before, after = _file(target.root / path), _file(scratch / path)
             if before != after:
-                changes.append(Change(path, before[0] if before else None,
-                                      after[0] if after else None,
-                                      before[1] if before else None, after[1] if after else None))
+                changes.append(
+                    Change(
+                        path,
+                        before[0] if before else None,
+                        after[0] if after else None,
+                        before[1] if before else None,
+                        after[1] if after else None,
+                    )
+                )
     return changes
 
 
@@ -355,14 +379,15 @@ def inspect(target: Target, series: Series, state: StateDir) -> Inspection:
     if applies(target, series, reverse=True):
         edited = _edited_since_apply(target, series, state)
         if edited:
-            return Inspection(Status.MODIFIED, f"applied, then edited: {', '.join(edited)}",
-                              "`revert` keeps these edits (they are outside the series' hunks)",
-                              applied=touched_paths(target, series))
-        return Inspection(Status.APPLIED, f"applied ({series.name})",
-                          applied=touched_paths(target, series))
+            return Inspection(
+                Status.MODIFIED,
+                f"applied, then edited: {', '.join(edited)}",
+                "`revert` keeps these edits (they are outside the series' hunks)",
+                applied=touched_paths(target, series),
+            )
+        return Inspection(Status.APPLIED, f"applied ({series.name})", applied=touched_paths(target, series))
     if applies(target, series, reverse=False):
-        return Inspection(Status.NOT_APPLIED, f"not applied ({series.name})",
-                          pristine=touched_paths(target, series))
+        return Inspection(Status.NOT_APPLIED, f"not applied ({series.name})", pristine=touched_paths(target, series))
     found = Inspection(Status.CONFLICT, "")
     for path in touched_paths(target, series):
         if applies(target, series, reverse=False, paths=[path]):
@@ -374,24 +399,28 @@ def inspect(target: Target, series: Series, state: StateDir) -> Inspection:
     if not found.bad:
         created = [p for p in found.applied if series.blobs.get(p, (None, None))[0] is None]
         if created == found.applied:
-            found.summary = ("files the series adds are left over (e.g. by pip install "
-                             f"--force-reinstall vllm-ascend): {', '.join(found.applied)}")
+            found.summary = (
+                "files the series adds are left over (e.g. by pip install "
+                f"--force-reinstall vllm-ascend): {', '.join(found.applied)}"
+            )
         else:
-            found.summary = (f"partly applied: {', '.join(found.applied)} applied, "
-                             f"{', '.join(found.pristine)} not")
+            found.summary = f"partly applied: {', '.join(found.applied)} applied, {', '.join(found.pristine)} not"
         found.status = Status.PARTIAL
         found.way_out = "`revert` removes them, `apply` completes the series"
     elif found.applied:
         found.status = Status.MODIFIED
         found.summary = f"applied, then edited so that it no longer reverts: {', '.join(found.bad)}"
-        found.way_out = ("`revert --force` restores the release's files from the backup of the "
-                         "apply (your edited files are kept in a new backup)")
+        found.way_out = (
+            "`revert --force` restores the release's files from the backup of the "
+            "apply (your edited files are kept in a new backup)"
+        )
     else:
-        found.summary = f"not applied, and differing from what {series.name} expects: " \
-                        f"{', '.join(found.bad)}"
-        found.way_out = ("the series does not apply: restore these files to vllm-ascend "
-                         f"{series.release or 'the release'}'s (`apply` prints the conflicting "
-                         "hunks)")
+        found.summary = f"not applied, and differing from what {series.name} expects: {', '.join(found.bad)}"
+        found.way_out = (
+            "the series does not apply: restore these files to vllm-ascend "
+            f"{series.release or 'the release'}'s (`apply` prints the conflicting "
+            "hunks)"
+        )
     return found
 
 
@@ -413,9 +442,10 @@ def interrupted_summary(pending: Pending, target: Target) -> tuple[str, str]:
     operation = pending.operation
     finish = "apply" if pending.applied_side == AFTER else "revert"
     undo = "revert" if finish == "apply" else "apply"
-    return (f"interrupted {operation} ({done} of {total} files changed, started "
-            f"{pending.record['started']})",
-            f"`{finish}` finishes it, `{undo}` rolls it back")
+    return (
+        f"interrupted {operation} ({done} of {total} files changed, started {pending.record['started']})",
+        f"`{finish}` finishes it, `{undo}` rolls it back",
+    )
 
 
 def recover(state: StateDir, target: Target, applied: bool, dry_run: bool) -> str:
@@ -433,12 +463,12 @@ def recover(state: StateDir, target: Target, applied: bool, dry_run: bool) -> st
         backup, found = state.recover(pending, side)
     except JournalError as error:
         verb = "finish" if side == AFTER else "roll back"
-        raise ApplyError(f"found an {summary} and could not {verb} it: {error}; fix the cause "
-                         "and run this command again") from None
+        raise ApplyError(
+            f"found an {summary} and could not {verb} it: {error}; fix the cause and run this command again"
+        ) from None
     print(f"found an {summary}: {how} it (journal kept in {backup})", flush=True)
     for path in found:
-        print(f"{path} had changed since; that version is kept in {backup / 'found' / path}",
-              flush=True)
+        print(f"{path} had changed since; that version is kept in {backup / 'found' / path}", flush=True)
     return ""
 
 
@@ -454,22 +484,26 @@ class Context:
 def refuse_plugin(target: Target) -> None:
     plugin = plugin_dist_info(target)
     if plugin is not None:
-        raise ApplyError(f"this project is pip-installed in {target.root} too ({plugin.name}): use "
-                         f"the plugin or the patches, not both: pip uninstall "
-                         f"vllm-ascend-balance-scheduling")
+        raise ApplyError(
+            f"this project is pip-installed in {target.root} too ({plugin.name}): use "
+            f"the plugin or the patches, not both: pip uninstall "
+            f"vllm-ascend-balance-scheduling"
+        )
 
 
-def _run(ctx: Context, operation: str, changes: list[Change], applied_side: str,
-         absent_after: list[str], series: Series) -> Path:
+def _run(
+    ctx: Context, operation: str, changes: list[Change], applied_side: str, absent_after: list[str], series: Series
+) -> Path:
     meta = {"series": str(series.directory), "version": ctx.target.version}
     try:
         return ctx.state.run(operation, changes, applied_side, absent_after, meta)
     except JournalError as error:
-        raise ApplyError(f"{operation} failed: {error}. The journal in {ctx.state.directory} "
-                         f"keeps every original; fix the cause and run `revert`") from None
+        raise ApplyError(
+            f"{operation} failed: {error}. The journal in {ctx.state.directory} "
+            f"keeps every original; fix the cause and run `revert`"
+        ) from None
     except OSError as error:
-        raise ApplyError(f"{operation} failed: {error}; rolled back, {ctx.target.root} is as "
-                         "it was") from None
+        raise ApplyError(f"{operation} failed: {error}; rolled back, {ctx.target.root} is as it was") from None
 
 
 def apply(ctx: Context, dry_run: bool) -> str:
@@ -487,19 +521,25 @@ def apply(ctx: Context, dry_run: bool) -> str:
         raise ApplyError(f"{found.summary}; {found.way_out}")
     if found.status is Status.CONFLICT:
         if target.commits_after_tag:
-            message += (f"note: {target.root} is {target.commits_after_tag} commits after "
-                        f"v{target.version}, the tag the series was cut against\n")
-        raise ApplyError(message + f"the series does not apply to {target.root}:\n"
-                         + conflict_report(target, series, reverse=False))
+            message += (
+                f"note: {target.root} is {target.commits_after_tag} commits after "
+                f"v{target.version}, the tag the series was cut against\n"
+            )
+        raise ApplyError(
+            message + f"the series does not apply to {target.root}:\n" + conflict_report(target, series, reverse=False)
+        )
     if dry_run:
-        return message + f"dry run: the series applies cleanly to {target.root}; it would " \
-                         "change:\n  " + "\n  ".join(found.pristine)
+        return (
+            message + f"dry run: the series applies cleanly to {target.root}; it would "
+            "change:\n  " + "\n  ".join(found.pristine)
+        )
     changes = plan(target, series, reverse=False, paths=found.pristine)
     backup = _run(ctx, "apply", changes, AFTER, [], series)
     done = f"applied {len(series.patches)} patches to {target.root} ({len(changes)} files)"
     if found.applied:
-        done = f"completed the series on {target.root} ({len(changes)} files; already there: " \
-               f"{', '.join(found.applied)})"
+        done = (
+            f"completed the series on {target.root} ({len(changes)} files; already there: {', '.join(found.applied)})"
+        )
     return message + f"{done}; originals backed up in {backup}"
 
 
@@ -515,36 +555,40 @@ def revert(ctx: Context, dry_run: bool, force: bool) -> str:
     if found.status is Status.NOT_APPLIED:
         return message + f"not applied to {target.root}: nothing to revert"
     if found.status is Status.CONFLICT:
-        raise ApplyError(f"nothing to revert: the series is not applied to {target.root}, and "
-                         f"{found.summary}")
+        raise ApplyError(f"nothing to revert: the series is not applied to {target.root}, and {found.summary}")
     last_apply = ctx.state.last_record("apply")
     if last_apply and last_apply[1]["meta"].get("series") != str(series.directory):
         last_apply = None  # an apply of another series: its originals are not this release's
     if found.bad:  # modified after apply so that it no longer reverts
         if not force:
-            raise ApplyError(f"the series cannot be reverted cleanly from {target.root}: "
-                             f"{found.summary}; {found.way_out}:\n"
-                             + conflict_report(target, series, reverse=True))
+            raise ApplyError(
+                f"the series cannot be reverted cleanly from {target.root}: "
+                f"{found.summary}; {found.way_out}:\n" + conflict_report(target, series, reverse=True)
+            )
         if last_apply is None:
-            raise ApplyError(f"{found.summary}, and {ctx.state.directory} has no backup of an "
-                             "apply to restore from: reinstall vllm-ascend (pip install "
-                             "--force-reinstall --no-deps vllm-ascend==VERSION) or check the "
-                             "files out of git, then run `revert` again")
+            raise ApplyError(
+                f"{found.summary}, and {ctx.state.directory} has no backup of an "
+                "apply to restore from: reinstall vllm-ascend (pip install "
+                "--force-reinstall --no-deps vllm-ascend==VERSION) or check the "
+                "files out of git, then run `revert` again"
+            )
         changes = _restore_plan(target, *last_apply)
         summary = f"restored {len(changes)} files of {target.root} from {last_apply[0]}"
     else:
         paths = found.applied
         if dry_run:
-            return message + f"dry run: the series reverts cleanly from {target.root}; it " \
-                             "would change:\n  " + "\n  ".join(paths)
+            return (
+                message + f"dry run: the series reverts cleanly from {target.root}; it "
+                "would change:\n  " + "\n  ".join(paths)
+            )
         changes = plan(target, series, reverse=True, paths=paths)
-        summary = (f"reverted {len(series.patches)} patches from {target.root}"
-                   if found.status is not Status.PARTIAL
-                   else f"reverted what was left of the series in {target.root} "
-                        f"({', '.join(paths)})")
+        summary = (
+            f"reverted {len(series.patches)} patches from {target.root}"
+            if found.status is not Status.PARTIAL
+            else f"reverted what was left of the series in {target.root} ({', '.join(paths)})"
+        )
     if dry_run:
-        return message + f"dry run: would restore from {last_apply[0]}:\n  " + \
-            "\n  ".join(c.path for c in changes)
+        return message + f"dry run: would restore from {last_apply[0]}:\n  " + "\n  ".join(c.path for c in changes)
     created = last_apply[1]["absent_dirs"][BEFORE] if last_apply else []
     backup = _run(ctx, "revert", changes, BEFORE, created, series)
     return message + f"{summary}; the files as they were are backed up in {backup}"
@@ -557,26 +601,37 @@ def _restore_plan(target: Target, backup: Path, record: dict) -> list[Change]:
         current = _file(target.root / change["path"])
         original = (backup / BEFORE / change["path"]).read_bytes() if change[BEFORE] else None
         if (current and current[0]) != original:
-            changes.append(Change(change["path"], current[0] if current else None, original,
-                                  current[1] if current else None, change["mode_before"]))
+            changes.append(
+                Change(
+                    change["path"],
+                    current[0] if current else None,
+                    original,
+                    current[1] if current else None,
+                    change["mode_before"],
+                )
+            )
     return changes
 
 
 def status(ctx: Context) -> Inspection:
     target = ctx.target
     if plugin_dist_info(target) is not None:
-        return Inspection(Status.PLUGIN, f"{plugin_dist_info(target).name} is here too",
-                          "use the plugin or the patches, not both: pip uninstall "
-                          "vllm-ascend-balance-scheduling, then `apply`")
+        return Inspection(
+            Status.PLUGIN,
+            f"{plugin_dist_info(target).name} is here too",
+            "use the plugin or the patches, not both: pip uninstall vllm-ascend-balance-scheduling, then `apply`",
+        )
     pending = ctx.state.pending()
     if pending is not None:
         return Inspection(Status.INTERRUPTED, *interrupted_summary(pending, target))
     try:
         series, note = select_series(target, ctx.manifests, ctx.series_arg)
     except ApplyError as error:
-        return Inspection(Status.NO_SERIES, str(error),
-                          "patch a vllm-ascend release that has a series, or install this project "
-                          "as a plugin instead")
+        return Inspection(
+            Status.NO_SERIES,
+            str(error),
+            "patch a vllm-ascend release that has a series, or install this project as a plugin instead",
+        )
     found = inspect(target, series, ctx.state)
     if note and found.status.code == 0:
         found.summary += f"; {note}"
@@ -593,43 +648,54 @@ def state_for(target: Target, state_root: Path | None, keep: int) -> StateDir:
     state_root = state_root.resolve()
     for outer in filter(None, (target.root, _work_tree(target.root))):
         if state_root == outer or outer in state_root.parents:
-            raise ApplyError(f"the state directory {state_root} is inside {outer}: backups would "
-                             f"end up in the tree; choose another with --state-dir or ${STATE_ENV}")
+            raise ApplyError(
+                f"the state directory {state_root} is inside {outer}: backups would "
+                f"end up in the tree; choose another with --state-dir or ${STATE_ENV}"
+            )
     key = hashlib.sha256(str(target.root).encode()).hexdigest()[:12]
     label = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(target.root.parts[1:][-3:]))[-60:]
     return StateDir(state_root / f"{label}-{key}", target.root, keep)
 
 
 def _work_tree(root: Path) -> Path | None:
-    result = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root,
-                            capture_output=True, text=True)
+    result = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
     return Path(result.stdout.strip()).resolve() if result.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"status exit codes (0: applied or not applied, cleanly):\n{EXIT_CODES}")
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"status exit codes (0: applied or not applied, cleanly):\n{EXIT_CODES}",
+    )
     parser.add_argument("command", choices=["apply", "revert", "status"])
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--target", type=Path,
-                       help="a vllm-ascend source checkout, or a site-packages directory")
-    where.add_argument("--installed", action="store_true",
-                       help="the vllm-ascend installed in this Python environment")
-    parser.add_argument("--series", type=Path,
-                        help="a directory of *.patch files (default: the series for the "
-                             "target's vllm-ascend version)")
-    parser.add_argument("--manifests", type=Path, default=PATCHES_DIR,
-                        help="where the series' manifests are (default: %(default)s)")
-    parser.add_argument("--state-dir", type=Path,
-                        help=f"where journals and backups go (default: ${STATE_ENV}, else "
-                             "$XDG_STATE_HOME/vllm-ascend-balance); one subdirectory per target")
-    parser.add_argument("--keep-backups", type=int, default=5, metavar="N",
-                        help="backups kept per target (default: %(default)s)")
+    where.add_argument("--target", type=Path, help="a vllm-ascend source checkout, or a site-packages directory")
+    where.add_argument("--installed", action="store_true", help="the vllm-ascend installed in this Python environment")
+    parser.add_argument(
+        "--series",
+        type=Path,
+        help="a directory of *.patch files (default: the series for the target's vllm-ascend version)",
+    )
+    parser.add_argument(
+        "--manifests", type=Path, default=PATCHES_DIR, help="where the series' manifests are (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help=f"where journals and backups go (default: ${STATE_ENV}, else "
+        "$XDG_STATE_HOME/vllm-ascend-balance); one subdirectory per target",
+    )
+    parser.add_argument(
+        "--keep-backups", type=int, default=5, metavar="N", help="backups kept per target (default: %(default)s)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="check only, change nothing")
-    parser.add_argument("--force", action="store_true",
-                        help="revert: restore the release's files even where they were edited "
-                             "after the apply (the edited files are backed up first)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="revert: restore the release's files even where they were edited "
+        "after the apply (the edited files are backed up first)",
+    )
     args = parser.parse_args(argv)
     if args.force and args.command != "revert":
         parser.error("--force is an option of revert")
@@ -637,8 +703,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--keep-backups must be at least 1")
     try:
         target = find_target(args.target, args.installed)
-        ctx = Context(target, state_for(target, args.state_dir, args.keep_backups),
-                      args.manifests.resolve(), args.series)
+        ctx = Context(
+            target, state_for(target, args.state_dir, args.keep_backups), args.manifests.resolve(), args.series
+        )
         if args.command == "status":
             with ctx.state.lock(shared=True):
                 found = status(ctx)

@@ -68,8 +68,7 @@ def load_released_copy() -> tuple[type | None, str]:
         return None, f"vllm-ascend {version} has no {RELEASED_COPY}"
     saved_scheduler = vllm_scheduler_module.Scheduler
     saved_run = EngineCoreProc.__dict__["run_engine_core"]
-    module_spec = importlib.util.spec_from_file_location(
-        "vllm_ascend_released_patch_balance_schedule", path)
+    module_spec = importlib.util.spec_from_file_location("vllm_ascend_released_patch_balance_schedule", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -86,13 +85,26 @@ def load_released_copy() -> tuple[type | None, str]:
 class Subject:
     """One scheduler at steady state: ``running`` decoding requests at the cap, a few waiting."""
 
-    def __init__(self, name: str, cls: type, balance: str | None, queue_value: int | None,
-                 model_dir: Path, dp_size: int, running: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        cls: type,
+        balance: str | None,
+        queue_value: int | None,
+        model_dir: Path,
+        dp_size: int,
+        running: int,
+        max_tokens: int,
+    ) -> None:
         self.name = name
-        config = make_vllm_config(model_dir, max_num_seqs=running,
-                                  max_num_batched_tokens=max(running * 16, 2048),
-                                  max_model_len=max_tokens + 16, dp_size=dp_size,
-                                  num_blocks=(running + 8) * ((max_tokens + 16) // 16 + 2))
+        config = make_vllm_config(
+            model_dir,
+            max_num_seqs=running,
+            max_num_batched_tokens=max(running * 16, 2048),
+            max_model_len=max_tokens + 16,
+            dp_size=dp_size,
+            num_blocks=(running + 8) * ((max_tokens + 16) // 16 + 2),
+        )
         previous = os.environ.pop(BALANCE_SCHEDULING_ENV, None)
         if balance is not None:
             os.environ[BALANCE_SCHEDULING_ENV] = balance
@@ -182,18 +194,21 @@ def main(argv: list[str] | None = None) -> int:
         # The flag on: vllm-ascend 0.23's copy builds its balance_queue only when its switch is.
         version = importlib.metadata.version("vllm-ascend")
         variants.append((f"v{version} copy, gate closed", released, "1", args.running))
-    print(f"schedule() median thread CPU time per step at {args.running} running (cap "
-          f"{args.running}, 4 waiting); {args.steps} steps per variant, interleaved step by step.")
-    print("reference column: "
-          + (released_note if released is not None else f"absent: {released_note}"))
+    print(
+        f"schedule() median thread CPU time per step at {args.running} running (cap "
+        f"{args.running}, 4 waiting); {args.steps} steps per variant, interleaved step by step."
+    )
+    print("reference column: " + (released_note if released is not None else f"absent: {released_note}"))
     names = [name for name, *_ in variants]
     header = ["DP", "stock µs"] + [f"{name} ×" for name in names[1:]]
     rows = [header]
     reads = []
     verdict = None
     for dp_size in args.dp_sizes:
-        subjects = [Subject(name, cls, flag, value, model_dir, dp_size, args.running, max_tokens)
-                    for name, cls, flag, value in variants]
+        subjects = [
+            Subject(name, cls, flag, value, model_dir, dp_size, args.running, max_tokens)
+            for name, cls, flag, value in variants
+        ]
         for _ in range(args.steps):  # step by step in turn: load spikes hit every variant
             for subject in subjects:
                 subject.measure(1)
@@ -202,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([str(dp_size), f"{base:.0f}"] + [f"{ratio:.3f}" for ratio in ratios])
         if dp_size == TARGET_DP:
             worst = max(ratios[0:2])
-            verdict = (f"target: ours with balance on <= {TARGET_RATIO}x stock at DP={TARGET_DP}: "
-                       f"{worst:.3f}x -> {'met' if worst <= TARGET_RATIO else 'NOT met'}")
+            verdict = (
+                f"target: ours with balance on <= {TARGET_RATIO}x stock at DP={TARGET_DP}: "
+                f"{worst:.3f}x -> {'met' if worst <= TARGET_RATIO else 'NOT met'}"
+            )
         reads.append((dp_size, gate_read_costs(dp_size, args.running)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for index, row in enumerate(rows):

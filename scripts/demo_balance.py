@@ -18,7 +18,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("VLLM_PLUGINS", "ascend_balance_scheduling")
 
@@ -39,8 +38,7 @@ def run(model_dir: Path, balance: bool, steps: int) -> list[str]:
     lines = []
     for index in range(steps):
         if index % 2 == 0:
-            ranks[1].add_request(make_request(f"s{index}", num_prompt_tokens=32,
-                                              max_tokens=3 + index % 5))
+            ranks[1].add_request(make_request(f"s{index}", num_prompt_tokens=32, max_tokens=3 + index % 5))
         admitted: list[list[str]] = []
         for scheduler in ranks:
             output, _ = step(scheduler)
@@ -50,9 +48,11 @@ def run(model_dir: Path, balance: bool, steps: int) -> list[str]:
             emulate_gather(ranks)
         prefill = any(admitted)
         gate = "closed" if balance and ranks[1].balance_gate_closed() else "open"
-        lines.append(f"{index:>4}  {counts[0]:>3} {counts[1]:>3}   {gate:<6}  "
-                     f"{'PREFILL' if prefill else '       '}  "
-                     f"r0+{','.join(admitted[0]) or '-':<22} r1+{','.join(admitted[1]) or '-'}")
+        lines.append(
+            f"{index:>4}  {counts[0]:>3} {counts[1]:>3}   {gate:<6}  "
+            f"{'PREFILL' if prefill else '       '}  "
+            f"r0+{','.join(admitted[0]) or '-':<22} r1+{','.join(admitted[1]) or '-'}"
+        )
     prefill_steps = sum("PREFILL" in line for line in lines)
     lines.append(f"steps with a prefill (every rank waits for it): {prefill_steps} of {steps}")
     return lines

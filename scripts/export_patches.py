@@ -34,10 +34,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PATCHES_DIR = REPO_ROOT / "patches"
@@ -126,18 +127,15 @@ def base_release(version: str) -> str | None:
     return match.group(1) if match else None
 
 
-def manifests_for(version: str, distribution: str,
-                  available: dict[Path, tuple[str, str]]) -> tuple[list[Path], bool]:
+def manifests_for(version: str, distribution: str, available: dict[Path, tuple[str, str]]) -> tuple[list[Path], bool]:
     """The manifests for ``version``: those naming it exactly, else (second item True) those
     naming the release it follows. A follow-up release is only *probably* unchanged: whoever
     uses such a manifest must check the files it touches (apply_patches does)."""
-    exact = [path for path, (dist, v) in available.items()
-             if dist == distribution and v == version]
+    exact = [path for path, (dist, v) in available.items() if dist == distribution and v == version]
     if exact:
         return exact, False
     base = base_release(version)
-    derived = [path for path, (dist, v) in available.items()
-               if dist == distribution and base is not None and v == base]
+    derived = [path for path, (dist, v) in available.items() if dist == distribution and base is not None and v == base]
     return derived, bool(derived)
 
 
@@ -161,13 +159,12 @@ def default_manifest(patches_dir: Path = PATCHES_DIR) -> Path:
             matching += manifests_for(version, distribution, available)[0]
     if len(matching) == 1:
         return matching[0]
-    listing = "\n  ".join(f"{path.name} ({dist} {version})"
-                          for path, (dist, version) in available.items()) or "(none)"
-    here = ", ".join(f"{dist} {version or 'not installed'}"
-                     for dist, version in installed.items()) or "nothing to compare"
+    listing = "\n  ".join(f"{path.name} ({dist} {version})" for path, (dist, version) in available.items()) or "(none)"
+    here = (
+        ", ".join(f"{dist} {version or 'not installed'}" for dist, version in installed.items()) or "nothing to compare"
+    )
     reason = "several manifests match" if matching else "no manifest matches"
-    raise ExportError(f"{reason} the installed release ({here}). "
-                      f"Manifests in {patches_dir}:\n  {listing}")
+    raise ExportError(f"{reason} the installed release ({here}). Manifests in {patches_dir}:\n  {listing}")
 
 
 def load_manifest(path: Path | None = None) -> Manifest:
@@ -176,26 +173,36 @@ def load_manifest(path: Path | None = None) -> Manifest:
     data = tomllib.loads(path.read_text())
     patches = []
     for entry in data["patch"]:
-        patches.append(PatchSpec(
-            slug=entry["slug"],
-            subject=entry["subject"],
-            message=entry["message"]["text"].strip(),
-            files=tuple(FileRule(f["from"], f.get("to")) for f in entry.get("files", [])),
-            rewrites=tuple(Rewrite(r["find"], r["replace"]) for r in entry.get("rewrite", [])),
-            edits=tuple(Edit(e["path"], e["find"], e["replace"]) for e in entry.get("edit", [])),
-            forbid=tuple(entry.get("forbid", [])),
-        ))
+        patches.append(
+            PatchSpec(
+                slug=entry["slug"],
+                subject=entry["subject"],
+                message=entry["message"]["text"].strip(),
+                files=tuple(FileRule(f["from"], f.get("to")) for f in entry.get("files", [])),
+                rewrites=tuple(Rewrite(r["find"], r["replace"]) for r in entry.get("rewrite", [])),
+                edits=tuple(Edit(e["path"], e["find"], e["replace"]) for e in entry.get("edit", [])),
+                forbid=tuple(entry.get("forbid", [])),
+            )
+        )
     return Manifest(
-        path=path, distribution=data["base"]["distribution"], version=data["base"]["version"],
-        tag=data["base"]["tag"], output=data["base"]["output"], author=data["commit"]["author"],
-        date=data["commit"]["date"], scope=tuple(data["classify"]["scope"]),
-        exclude=tuple(data["classify"]["exclude"]), patches=tuple(patches))
+        path=path,
+        distribution=data["base"]["distribution"],
+        version=data["base"]["version"],
+        tag=data["base"]["tag"],
+        output=data["base"]["output"],
+        author=data["commit"]["author"],
+        date=data["commit"]["date"],
+        scope=tuple(data["classify"]["scope"]),
+        exclude=tuple(data["classify"]["exclude"]),
+        patches=tuple(patches),
+    )
 
 
 def _matches(path: str, pattern: str) -> bool:
     # fnmatch's "*" crosses "/", so "a/**/*.py" would miss "a/x.py": accept both spellings.
     return fnmatch.fnmatchcase(path, pattern) or (
-        "/**/" in pattern and fnmatch.fnmatchcase(path, pattern.replace("/**/", "/")))
+        "/**/" in pattern and fnmatch.fnmatchcase(path, pattern.replace("/**/", "/"))
+    )
 
 
 def _tracked_files(root: Path) -> list[str]:
@@ -224,12 +231,15 @@ def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
     targets: dict[str, str] = {}
     for patch in resolved:
         for rule in patch.spec.files:
-            hits = [f for f in files if _matches(f, rule.source_glob)
-                    and not any(_matches(f, x) for x in manifest.exclude)]
+            hits = [
+                f for f in files if _matches(f, rule.source_glob) and not any(_matches(f, x) for x in manifest.exclude)
+            ]
             for source in hits:
                 if source in owner:
-                    raise ExportError(f"{source} is matched by two rules ({owner[source]!r} and "
-                                      f"{rule.source_glob!r}) in {manifest.path.name}")
+                    raise ExportError(
+                        f"{source} is matched by two rules ({owner[source]!r} and "
+                        f"{rule.source_glob!r}) in {manifest.path.name}"
+                    )
                 target = rule.target_for(source)
                 if target in targets:
                     raise ExportError(f"{source} and {targets[target]} both map to {target}")
@@ -240,12 +250,18 @@ def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
                 _refuse_forbidden(text, patch.spec, source, manifest)
                 patch.files[target] = text
                 patch.sources[target] = source
-    unclassified = [f for f in files if any(_matches(f, s) for s in manifest.scope)
-                    and f not in owner and not any(_matches(f, x) for x in manifest.exclude)]
+    unclassified = [
+        f
+        for f in files
+        if any(_matches(f, s) for s in manifest.scope)
+        and f not in owner
+        and not any(_matches(f, x) for x in manifest.exclude)
+    ]
     if unclassified:
         raise ExportError(
             "files in the manifest's scope that no patch rule exports and `exclude` does not "
-            f"list (add each to {manifest.path.name}):\n  " + "\n  ".join(unclassified))
+            f"list (add each to {manifest.path.name}):\n  " + "\n  ".join(unclassified)
+        )
     empty = [p.spec.slug for p in resolved if not p.files and not p.spec.edits]
     if empty:
         raise ExportError(f"patches with no files: {', '.join(empty)}")
@@ -262,15 +278,15 @@ def _refuse_forbidden(text: bytes, spec: PatchSpec, source: str, manifest: Manif
                 raise ExportError(
                     f"{source}:{number} still names {name!r} after the rewrites of patch "
                     f"{spec.slug!r}; add a rewrite for this form to {manifest.path.name}:\n  "
-                    + line.decode(errors="replace").strip())
+                    + line.decode(errors="replace").strip()
+                )
 
 
 # ------------------------------------------------------------------------- pristine vllm-ascend
 class PristineSource:
     """Reads files of the released vllm-ascend, from its installed copy or its wheel."""
 
-    def __init__(self, manifest: Manifest, wheel: Path | None = None,
-                 cache_dir: Path | None = None) -> None:
+    def __init__(self, manifest: Manifest, wheel: Path | None = None, cache_dir: Path | None = None) -> None:
         self._manifest = manifest
         self._wheel = wheel
         self._cache_dir = cache_dir or Path(tempfile.gettempdir()) / "vllm-ascend-balance-wheels"
@@ -321,8 +337,9 @@ class PristineSource:
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True
+    )
 
 
 def index_sha256(requirement: str) -> str:
@@ -331,15 +348,26 @@ def index_sha256(requirement: str) -> str:
     ``pip install --dry-run --report`` resolves from the index's metadata without installing
     anything (no dependencies, whatever is installed here).
     """
-    result = _pip("install", "--dry-run", "--no-deps", "--ignore-installed", "--only-binary=:all:",
-                  "-q", "--report", "-", requirement)
+    result = _pip(
+        "install",
+        "--dry-run",
+        "--no-deps",
+        "--ignore-installed",
+        "--only-binary=:all:",
+        "-q",
+        "--report",
+        "-",
+        requirement,
+    )
     try:
         (item,) = json.loads(result.stdout)["install"]
         archive = item["download_info"]["archive_info"]
         digest = archive.get("hashes", {}).get("sha256") or archive["hash"].split("sha256=", 1)[1]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ExportError(f"could not learn the sha256 of {requirement} from the package index "
-                          f"(pip install --dry-run --report):\n{result.stderr.strip()}") from None
+        raise ExportError(
+            f"could not learn the sha256 of {requirement} from the package index "
+            f"(pip install --dry-run --report):\n{result.stderr.strip()}"
+        ) from None
     return digest
 
 
@@ -363,16 +391,16 @@ def download_wheel(requirement: str, dest: Path) -> Path:
         cached.unlink()
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as fresh:
-        result = _pip("download", "--no-deps", "--only-binary=:all:", "-q", "-d", fresh,
-                      requirement)
+        result = _pip("download", "--no-deps", "--only-binary=:all:", "-q", "-d", fresh, requirement)
         wheels = sorted(Path(fresh).glob(f"{stem}*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
-            raise ExportError(f"could not download {requirement} with pip:\n"
-                              f"{result.stderr.strip()}")
+            raise ExportError(f"could not download {requirement} with pip:\n{result.stderr.strip()}")
         actual = file_sha256(wheels[0])
         if actual != expected:
-            raise ExportError(f"the downloaded {wheels[0].name} has sha256 {actual}, but the "
-                              f"package index publishes {expected}: not using it")
+            raise ExportError(
+                f"the downloaded {wheels[0].name} has sha256 {actual}, but the "
+                f"package index publishes {expected}: not using it"
+            )
         return Path(shutil.move(wheels[0], dest / wheels[0].name))
 
 
@@ -381,21 +409,27 @@ def _git_env(manifest: Manifest) -> dict[str, str]:
     name, _, email = manifest.author.partition(" <")
     env = dict(os.environ)
     # Output must not depend on whoever runs this: no user/system git config, fixed identity/date.
-    env.update({
-        "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email.rstrip(">"),
-        "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email.rstrip(">"),
-        "GIT_AUTHOR_DATE": manifest.date, "GIT_COMMITTER_DATE": manifest.date,
-        "LC_ALL": "C", "TZ": "UTC",
-    })
+    env.update(
+        {
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_AUTHOR_NAME": name,
+            "GIT_AUTHOR_EMAIL": email.rstrip(">"),
+            "GIT_COMMITTER_NAME": name,
+            "GIT_COMMITTER_EMAIL": email.rstrip(">"),
+            "GIT_AUTHOR_DATE": manifest.date,
+            "GIT_COMMITTER_DATE": manifest.date,
+            "LC_ALL": "C",
+            "TZ": "UTC",
+        }
+    )
     return env
 
 
 def git(args: list[str], cwd: Path, env: dict[str, str]) -> str:
     result = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise ExportError(f"git {' '.join(args)} failed in {cwd}:\n"
-                          f"{(result.stdout + result.stderr).strip()}")
+        raise ExportError(f"git {' '.join(args)} failed in {cwd}:\n{(result.stdout + result.stderr).strip()}")
     return result.stdout
 
 
@@ -405,8 +439,9 @@ def _touched_paths(patches: list[ResolvedPatch]) -> list[str]:
     return sorted(paths)
 
 
-def build_base(manifest: Manifest, patches: list[ResolvedPatch], source: PristineSource,
-               workdir: Path) -> dict[str, bytes | None]:
+def build_base(
+    manifest: Manifest, patches: list[ResolvedPatch], source: PristineSource, workdir: Path
+) -> dict[str, bytes | None]:
     """A git repository at workdir holding the pristine version of every path the series touches."""
     env = _git_env(manifest)
     git(["init", "-q", str(workdir)], cwd=workdir.parent, env=env)
@@ -416,8 +451,7 @@ def build_base(manifest: Manifest, patches: list[ResolvedPatch], source: Pristin
             (workdir / path).parent.mkdir(parents=True, exist_ok=True)
             (workdir / path).write_bytes(content)
     git(["add", "-A"], cwd=workdir, env=env)
-    git(["commit", "-q", "--allow-empty", "-m", f"{manifest.distribution} {manifest.tag}"],
-        cwd=workdir, env=env)
+    git(["commit", "-q", "--allow-empty", "-m", f"{manifest.distribution} {manifest.tag}"], cwd=workdir, env=env)
     git(["tag", "pristine"], cwd=workdir, env=env)
     return pristine
 
@@ -426,8 +460,9 @@ def commit_message(spec: PatchSpec) -> str:
     return f"{spec.subject}\n\n{spec.message}\n"
 
 
-def generate(manifest: Manifest, patches: list[ResolvedPatch], source: PristineSource,
-             workdir: Path) -> dict[str, bytes]:
+def generate(
+    manifest: Manifest, patches: list[ResolvedPatch], source: PristineSource, workdir: Path
+) -> dict[str, bytes]:
     """The series as {file name: content}, built in workdir (which must not exist yet)."""
     env = _git_env(manifest)
     workdir.mkdir(parents=True)
@@ -445,30 +480,44 @@ def generate(manifest: Manifest, patches: list[ResolvedPatch], source: PristineS
         message_file.write_text(commit_message(patch.spec))
         git(["commit", "-q", "-F", str(message_file)], cwd=repo, env=env)
     out = workdir / "series"
-    git(["format-patch", "-q", "--zero-commit", "--no-signature", "--full-index", "--no-renames",
-         "-o", str(out), "pristine"], cwd=repo, env=env)
+    git(
+        [
+            "format-patch",
+            "-q",
+            "--zero-commit",
+            "--no-signature",
+            "--full-index",
+            "--no-renames",
+            "-o",
+            str(out),
+            "pristine",
+        ],
+        cwd=repo,
+        env=env,
+    )
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
 def _apply_edit(repo: Path, edit: Edit, exists: bool) -> None:
     target = repo / edit.path
     if not exists:
-        raise ExportError(f"edit target {edit.path} is not in the pristine "
-                          "vllm-ascend sources")
+        raise ExportError(f"edit target {edit.path} is not in the pristine vllm-ascend sources")
     text = target.read_text()
     count = text.count(edit.find)
     if count != 1:
         raise ExportError(
             f"the anchor of the edit to {edit.path} occurs {count} times in the pristine file "
-            f"(expected exactly once); upstream moved it, update the manifest:\n{edit.find}")
+            f"(expected exactly once); upstream moved it, update the manifest:\n{edit.find}"
+        )
     target.write_text(text.replace(edit.find, edit.replace))
 
 
 def am(series: list[Path], repo: Path, env: dict[str, str]) -> None:
     """``git am`` the series; on failure, abort and name the patch that did not apply."""
     # --keep-non-patch: keep vllm-ascend's "[Scheduler][Feature]" subject tags, drop "[PATCH n/m]".
-    result = subprocess.run(["git", "am", "-q", "--keep-non-patch", *map(str, series)],
-                            cwd=repo, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        ["git", "am", "-q", "--keep-non-patch", *map(str, series)], cwd=repo, env=env, capture_output=True, text=True
+    )
     if result.returncode != 0:
         subprocess.run(["git", "am", "--abort"], cwd=repo, env=env, capture_output=True)
         raise ExportError(f"git am failed in {repo}:\n{(result.stdout + result.stderr).strip()}")
@@ -516,8 +565,7 @@ def check(manifest: Manifest, root: Path, source: PristineSource) -> list[str]:
             try:
                 am([committed_dir / name for name in sorted(committed)], repo, env)
             except ExportError as error:
-                problems.append(f"the committed series does not apply to pristine "
-                                f"{manifest.requirement}: {error}")
+                problems.append(f"the committed series does not apply to pristine {manifest.requirement}: {error}")
             else:
                 problems += _compare_tree(repo, patches)
     return problems
@@ -539,8 +587,7 @@ def verify_checkout(manifest: Manifest, root: Path, checkout: Path, workdir: Pat
     """Clone checkout at the manifest's tag into workdir and ``git am`` the committed series."""
     env = _git_env(manifest)
     clone = workdir / f"vllm-ascend-{manifest.tag}"
-    git(["clone", "-q", "--shared", "--no-checkout", str(checkout), str(clone)], cwd=workdir,
-        env=env)
+    git(["clone", "-q", "--shared", "--no-checkout", str(checkout), str(clone)], cwd=workdir, env=env)
     git(["checkout", "-q", "--detach", manifest.tag], cwd=clone, env=env)
     series = sorted(series_dir(manifest, root).glob("*.patch"))
     if not series:
@@ -568,11 +615,14 @@ for _name in ("vllm_ascend.patch", "vllm_ascend.patch.platform"):
 """
 
 
-def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: Path,
-                          pytest_args: list[str]) -> int:
+def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: Path, pytest_args: list[str]) -> int:
     """Run the unit tests the series adds, inside the patched clone, on this CPU environment."""
-    tests = sorted(path for patch in resolve(manifest, root) for path in patch.files
-                   if path.startswith("tests/ut/") and Path(path).name.startswith("test_"))
+    tests = sorted(
+        path
+        for patch in resolve(manifest, root)
+        for path in patch.files
+        if path.startswith("tests/ut/") and Path(path).name.startswith("test_")
+    )
     shim = workdir / "cpu-shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(_CPU_SHIM.format(root=str(clone)))
@@ -582,30 +632,44 @@ def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: 
     conf_dirs = sorted({str(clone / Path(t).parent) for t in tests})
     if len(conf_dirs) != 1:
         raise ExportError(f"--run-tests expects the series' unit tests in one directory: {conf_dirs}")
-    cmd = [str(Path(sys.executable).with_name("pytest")), "-p", "no:cacheprovider",
-           "--confcutdir", conf_dirs[0], "--rootdir", str(clone), *tests, *pytest_args]
+    cmd = [
+        str(Path(sys.executable).with_name("pytest")),
+        "-p",
+        "no:cacheprovider",
+        "--confcutdir",
+        conf_dirs[0],
+        "--rootdir",
+        str(clone),
+        *tests,
+        *pytest_args,
+    ]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=clone, env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=REPO_ROOT,
-                        help="repository whose files are exported (default: this one)")
-    parser.add_argument("--manifest", type=Path,
-                        help="default: the patches/*.toml whose [base] version is the installed "
-                             "vllm-ascend's")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the committed series is stale or does not apply")
-    parser.add_argument("--wheel", type=Path,
-                        help="read pristine sources from this wheel instead of the installed copy")
-    parser.add_argument("--checkout", type=Path,
-                        help="a vllm-ascend git repository: git am the series onto its tag")
-    parser.add_argument("--keep", type=Path,
-                        help="with --checkout: leave the patched clone in this new directory")
-    parser.add_argument("--run-tests", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS",
-                        help="with --checkout: then run the unit tests the series adds, in the "
-                             "patched clone, with this Python environment (CPU)")
+    parser.add_argument(
+        "--root", type=Path, default=REPO_ROOT, help="repository whose files are exported (default: this one)"
+    )
+    parser.add_argument(
+        "--manifest", type=Path, help="default: the patches/*.toml whose [base] version is the installed vllm-ascend's"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the committed series is stale or does not apply"
+    )
+    parser.add_argument(
+        "--wheel", type=Path, help="read pristine sources from this wheel instead of the installed copy"
+    )
+    parser.add_argument("--checkout", type=Path, help="a vllm-ascend git repository: git am the series onto its tag")
+    parser.add_argument("--keep", type=Path, help="with --checkout: leave the patched clone in this new directory")
+    parser.add_argument(
+        "--run-tests",
+        nargs=argparse.REMAINDER,
+        metavar="PYTEST_ARGS",
+        help="with --checkout: then run the unit tests the series adds, in the "
+        "patched clone, with this Python environment (CPU)",
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
@@ -617,16 +681,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             problems = check(manifest, root, source)
             if problems:
-                print("export_patches --check FAILED (regenerate with "
-                      "`python scripts/export_patches.py`):\n  " + "\n  ".join(problems),
-                      file=sys.stderr)
+                print(
+                    "export_patches --check FAILED (regenerate with "
+                    "`python scripts/export_patches.py`):\n  " + "\n  ".join(problems),
+                    file=sys.stderr,
+                )
                 return 1
-            print(f"{manifest.output} is current and applies to pristine "
-                  f"{manifest.requirement} ({source.origin})")
+            print(f"{manifest.output} is current and applies to pristine {manifest.requirement} ({source.origin})")
         elif not args.checkout:
             written = export(manifest, root, source)
-            print(f"wrote {len(written)} patches to {manifest.output} "
-                  f"(pristine {manifest.requirement} from {source.origin}):")
+            print(
+                f"wrote {len(written)} patches to {manifest.output} "
+                f"(pristine {manifest.requirement} from {source.origin}):"
+            )
             for name in written:
                 print(f"  {name}")
         if args.checkout:
@@ -634,8 +701,11 @@ def main(argv: list[str] | None = None) -> int:
                 workdir = args.keep or Path(tmp)
                 workdir.mkdir(parents=True, exist_ok=True)
                 clone = verify_checkout(manifest, root, args.checkout, workdir)
-                print(f"git am of {manifest.output} onto {manifest.tag} of {args.checkout} "
-                      f"succeeded" + (f": {clone}" if args.keep else ""), flush=True)
+                print(
+                    f"git am of {manifest.output} onto {manifest.tag} of {args.checkout} "
+                    f"succeeded" + (f": {clone}" if args.keep else ""),
+                    flush=True,
+                )
                 if args.run_tests is not None:
                     return run_series_unit_tests(manifest, root, clone, workdir, args.run_tests)
         elif args.run_tests is not None:

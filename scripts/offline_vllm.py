@@ -17,8 +17,9 @@
 """Builds real vLLM configs, schedulers and requests on CPU, offline.
 
 Shared by the unit tests (``pytest.ini`` puts ``scripts`` on the path), the demo, the simulator,
-the soak and the benchmarks (scripts beside it import it as their own directory's module). The model is a tiny directory generated on disk (a Llama or Mixtral
-``config.json`` and a word-level tokenizer), so nothing is ever loaded from a model hub. Helpers
+the soak and the benchmarks (scripts beside it import it as their own directory's module). The
+model is a tiny directory generated on disk (a Llama or Mixtral ``config.json`` and a word-level
+tokenizer), so nothing is ever loaded from a model hub. Helpers
 return real vLLM objects; callers drive them with fake model outputs (``ModelRunnerOutput``), as
 vLLM's own scheduler tests do.
 """
@@ -68,69 +69,103 @@ def write_tiny_model(directory: Path, moe: bool = False) -> Path:
     config: dict[str, Any] = {
         "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
         "model_type": "mixtral" if moe else "llama",
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(VOCAB),
-        "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": EOS_TOKEN_ID,
-        "torch_dtype": "float32", "rms_norm_eps": 1e-5,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": len(VOCAB),
+        "max_position_embeddings": 4096,
+        "bos_token_id": 0,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+        "rms_norm_eps": 1e-5,
     }
     if moe:
         config.update({"num_local_experts": 4, "num_experts_per_tok": 2})
     (directory / "config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>").save_pretrained(directory)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    ).save_pretrained(directory)
     return directory
 
 
-def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 4, max_num_batched_tokens: int = 256,
-                     max_model_len: int = 1024, dp_size: int = 1, async_scheduling: bool = False,
-                     enable_prefix_caching: bool = False, num_blocks: int = 1000,
-                     kv_transfer_config: KVTransferConfig | None = None,
-                     scheduler_cls: str | type | None = None,
-                     additional_config: dict[str, Any] | None = None,
-                     speculative_config: SpeculativeConfig | None = None) -> VllmConfig:
-    model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32",
-                               max_model_len=max_model_len, seed=0)
+def make_vllm_config(
+    model_dir: Path,
+    *,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 1024,
+    dp_size: int = 1,
+    async_scheduling: bool = False,
+    enable_prefix_caching: bool = False,
+    num_blocks: int = 1000,
+    kv_transfer_config: KVTransferConfig | None = None,
+    scheduler_cls: str | type | None = None,
+    additional_config: dict[str, Any] | None = None,
+    speculative_config: SpeculativeConfig | None = None,
+) -> VllmConfig:
+    model_config = ModelConfig(
+        model=str(model_dir), tokenizer=str(model_dir), dtype="float32", max_model_len=max_model_len, seed=0
+    )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, enable_chunked_prefill=True,
-        async_scheduling=async_scheduling, is_encoder_decoder=False,
-        **({"scheduler_cls": scheduler_cls} if scheduler_cls is not None else {}))
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+        is_encoder_decoder=False,
+        **({"scheduler_cls": scheduler_cls} if scheduler_cls is not None else {}),
+    )
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
     parallel_config = ParallelConfig(data_parallel_size=dp_size)
-    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
-                      cache_config=cache_config, parallel_config=parallel_config,
-                      device_config=DeviceConfig(device="cpu"),
-                      kv_transfer_config=kv_transfer_config,
-                      speculative_config=speculative_config,
-                      **({"additional_config": additional_config}
-                         if additional_config is not None else {}))
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        parallel_config=parallel_config,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv_transfer_config,
+        speculative_config=speculative_config,
+        **({"additional_config": additional_config} if additional_config is not None else {}),
+    )
 
 
 def kv_cache_config_for(vllm_config: VllmConfig) -> KVCacheConfig:
     num_blocks = vllm_config.cache_config.num_gpu_blocks or 1000
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1,
-                             dtype=torch.float32)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
 
 
 def build_scheduler(scheduler_cls: type, vllm_config: VllmConfig) -> Any:
     """Construct ``scheduler_cls`` exactly as vLLM's EngineCore does (keyword arguments)."""
     return scheduler_cls(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config_for(vllm_config),
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config_for(vllm_config),
         structured_output_manager=StructuredOutputManager(vllm_config),
-        include_finished_set=False, log_stats=True, block_size=BLOCK_SIZE)
+        include_finished_set=False,
+        log_stats=True,
+        block_size=BLOCK_SIZE,
+    )
 
 
 _none_hash_ready = False
 
 
-def make_request(request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4,
-                 arrival_time: float | None = None, resumable: bool = False,
-                 mm_features: list[Any] | None = None, **sampling: Any) -> Request:
+def make_request(
+    request_id: str,
+    num_prompt_tokens: int = 8,
+    max_tokens: int = 4,
+    arrival_time: float | None = None,
+    resumable: bool = False,
+    mm_features: list[Any] | None = None,
+    **sampling: Any,
+) -> Request:
     global _none_hash_ready
     if not _none_hash_ready:
         init_none_hash(sha256)
@@ -139,14 +174,21 @@ def make_request(request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     seed = zlib.crc32(request_id.encode())  # stable across processes, unlike hash()
     prompt = [3 + (seed + i) % 100 for i in range(num_prompt_tokens)]
-    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   pooling_params=None, arrival_time=arrival_time, resumable=resumable,
-                   mm_features=mm_features,
-                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=arrival_time,
+        resumable=resumable,
+        mm_features=mm_features,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
 
 
-def make_json_request(vllm_config: VllmConfig, request_id: str, num_prompt_tokens: int = 8,
-                      max_tokens: int = 4) -> Request:
+def make_json_request(
+    vllm_config: VllmConfig, request_id: str, num_prompt_tokens: int = 8, max_tokens: int = 4
+) -> Request:
     """A JSON-mode (structured-output) request, validated as vLLM's input processor does.
 
     The caller must also hand it to ``scheduler.structured_output_manager.grammar_init`` (as
@@ -155,11 +197,15 @@ def make_json_request(vllm_config: VllmConfig, request_id: str, num_prompt_token
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.tokenizers import cached_tokenizer_from_config
 
-    request = make_request(request_id, num_prompt_tokens, max_tokens,
-                           structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    request.sampling_params.verify(vllm_config.model_config, None,
-                                   vllm_config.structured_outputs_config,
-                                   cached_tokenizer_from_config(vllm_config.model_config))
+    request = make_request(
+        request_id, num_prompt_tokens, max_tokens, structured_outputs=StructuredOutputsParams(json={"type": "object"})
+    )
+    request.sampling_params.verify(
+        vllm_config.model_config,
+        None,
+        vllm_config.structured_outputs_config,
+        cached_tokenizer_from_config(vllm_config.model_config),
+    )
     return request
 
 
@@ -185,9 +231,14 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
     """One sampled token per scheduled request, none for a request still mid-prefill."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
     sampled = [[] if scheduler.requests[r].is_prefill_chunk else [token_id] for r in req_ids]
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                             pooler_output=[])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
 
 
 def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:

@@ -67,7 +67,7 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _rename(source: Path, dest: Path) -> None:
@@ -131,6 +131,7 @@ def tmp_path(path: Path) -> Path:
 @dataclass(frozen=True)
 class Change:
     """One path of the tree: its content and mode before and after (None: absent)."""
+
     path: str
     before: bytes | None
     after: bytes | None
@@ -141,6 +142,7 @@ class Change:
 @dataclass(frozen=True)
 class Pending:
     """An interrupted transaction, as its journal recorded it."""
+
     directory: Path
     record: dict
 
@@ -155,12 +157,17 @@ class Pending:
 
     def progress(self, root: Path) -> tuple[int, int]:
         """How many paths already hold their AFTER content, of how many."""
-        done = sum(1 for change in self.record["changes"]
-                   if _matches(_current(root / change["path"]), change, AFTER)
-                   and not _matches(_current(root / change["path"]), change, BEFORE))
-        changing = sum(1 for change in self.record["changes"]
-                       if (change[BEFORE], change["mode_before"]) !=
-                       (change[AFTER], change["mode_after"]))
+        done = sum(
+            1
+            for change in self.record["changes"]
+            if _matches(_current(root / change["path"]), change, AFTER)
+            and not _matches(_current(root / change["path"]), change, BEFORE)
+        )
+        changing = sum(
+            1
+            for change in self.record["changes"]
+            if (change[BEFORE], change["mode_before"]) != (change[AFTER], change["mode_after"])
+        )
         return done, changing
 
 
@@ -212,16 +219,14 @@ class StateDir:
         try:
             record = json.loads((self.journal / "journal.json").read_text())
         except (OSError, ValueError) as error:
-            raise JournalError(f"the journal {self.journal} is unreadable ({error}); it was "
-                               "changed by hand") from None
+            raise JournalError(f"the journal {self.journal} is unreadable ({error}); it was changed by hand") from None
         return Pending(self.journal, record)
 
     def backup_list(self) -> list[Path]:
         """Completed transactions, oldest first."""
         if not self.backups.is_dir():
             return []
-        return sorted((p for p in self.backups.iterdir() if p.is_dir()),
-                      key=lambda p: int(p.name.split("-", 1)[0]))
+        return sorted((p for p in self.backups.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("-", 1)[0]))
 
     def last_record(self, operation: str) -> tuple[Path, dict] | None:
         """The backup and journal of the newest completed transaction with this operation name."""
@@ -237,8 +242,14 @@ class StateDir:
         return (record_dir / side / path).read_bytes()
 
     # ------------------------------------------------------------------------------ running
-    def run(self, operation: str, changes: list[Change], applied_side: str,
-            absent_after: list[str] = (), meta: dict | None = None) -> Path:
+    def run(
+        self,
+        operation: str,
+        changes: list[Change],
+        applied_side: str,
+        absent_after: list[str] = (),
+        meta: dict | None = None,
+    ) -> Path:
         """Carry out the changes atomically; returns the backup directory (the finished journal).
 
         ``absent_after``: directories (relative) the change removes when they end up empty.
@@ -260,12 +271,15 @@ class StateDir:
         }
         _mkdir(self.partial)
         for change in changes:
-            record["changes"].append({
-                "path": change.path,
-                BEFORE: None if change.before is None else sha256(change.before),
-                AFTER: None if change.after is None else sha256(change.after),
-                "mode_before": change.mode_before, "mode_after": change.mode_after,
-            })
+            record["changes"].append(
+                {
+                    "path": change.path,
+                    BEFORE: None if change.before is None else sha256(change.before),
+                    AFTER: None if change.after is None else sha256(change.after),
+                    "mode_before": change.mode_before,
+                    "mode_after": change.mode_after,
+                }
+            )
             for side, content in ((BEFORE, change.before), (AFTER, change.after)):
                 if content is not None:
                     _makedirs((self.partial / side / change.path).parent)
@@ -302,8 +316,7 @@ class StateDir:
         found = []
         for change in pending.record["changes"]:
             current = _current(self.root / change["path"])
-            if current is not None and not (_matches(current, change, BEFORE)
-                                            or _matches(current, change, AFTER)):
+            if current is not None and not (_matches(current, change, BEFORE) or _matches(current, change, AFTER)):
                 copy = pending.directory / "found" / change["path"]
                 _makedirs(copy.parent)
                 _write(copy, (self.root / change["path"]).read_bytes(), 0o644)
@@ -329,8 +342,7 @@ class StateDir:
         for change in writes:
             target = self.root / change["path"]
             _makedirs(target.parent)
-            _write(tmp_path(target), self.read_side(pending.directory, side, change["path"]),
-                   change[f"mode_{side}"])
+            _write(tmp_path(target), self.read_side(pending.directory, side, change["path"]), change[f"mode_{side}"])
         for change in deletes:
             # Proves the directory writable before anything of the tree changes.
             _write(tmp_path(self.root / change["path"]), b"", 0o600)
@@ -362,7 +374,7 @@ class StateDir:
         """Keep the last ``keep`` backups, and always the newest apply (revert reads it)."""
         backups = self.backup_list()
         applies = [b for b in backups if b.name.endswith("-apply")]
-        keep = set(backups[-self.keep:]) | set(applies[-1:])
+        keep = set(backups[-self.keep :]) | set(applies[-1:])
         for backup in backups:
             if backup not in keep:
                 _rmtree(backup)

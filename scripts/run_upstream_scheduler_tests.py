@@ -31,9 +31,15 @@ import vllm
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-ascend-balance"
 TEST_FILES = ["tests/v1/core/test_scheduler.py", "tests/v1/core/test_async_scheduler.py"]
-SUPPORT_FILES = ["tests/__init__.py", "tests/v1/__init__.py", "tests/v1/core/__init__.py",
-                 "tests/v1/core/utils.py", "tests/v1/kv_connector/__init__.py",
-                 "tests/v1/kv_connector/unit/__init__.py", "tests/v1/kv_connector/unit/utils.py"]
+SUPPORT_FILES = [
+    "tests/__init__.py",
+    "tests/v1/__init__.py",
+    "tests/v1/core/__init__.py",
+    "tests/v1/core/utils.py",
+    "tests/v1/kv_connector/__init__.py",
+    "tests/v1/kv_connector/unit/__init__.py",
+    "tests/v1/kv_connector/unit/utils.py",
+]
 # Imported by some releases' scheduler tests (0.33: a helper from test_prefix_caching); extracted
 # when the archive has it, never collected.
 OPTIONAL_SUPPORT_FILES = ["tests/v1/core/test_prefix_caching.py"]
@@ -90,8 +96,9 @@ class _Links(html.parser.HTMLParser):
 
 
 def _index_url() -> str:
-    configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-                                capture_output=True, text=True).stdout.strip()
+    configured = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True
+    ).stdout.strip()
     if configured:
         return configured.rstrip("/")
     from pip._internal.models.index import PyPI  # pip's own default index
@@ -152,8 +159,9 @@ def fake_hub_model(hf_home: Path, repo_id: str, config: dict) -> Path:
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(200)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>").save_pretrained(snapshot)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    ).save_pretrained(snapshot)
     return snapshot
 
 
@@ -162,26 +170,50 @@ def fake_llava(hf_home: Path) -> None:
     from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 
     image_token_id = 203  # the next id after fake_hub_model's 203-entry vocabulary
-    snapshot = fake_hub_model(hf_home, "llava-hf/llava-1.5-7b-hf", {
-        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-        "image_token_index": image_token_id, "vision_feature_select_strategy": "default",
-        "vision_feature_layer": -2, "projector_hidden_act": "gelu", "torch_dtype": "float16",
-        "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                        "num_hidden_layers": 2, "num_attention_heads": 4,
-                        "num_key_value_heads": 4, "vocab_size": 32064,
-                        "max_position_embeddings": 4096},
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32,
-                          "intermediate_size": 64, "num_hidden_layers": 2,
-                          "num_attention_heads": 2, "image_size": 336, "patch_size": 14,
-                          "projection_dim": 32}})
+    snapshot = fake_hub_model(
+        hf_home,
+        "llava-hf/llava-1.5-7b-hf",
+        {
+            "architectures": ["LlavaForConditionalGeneration"],
+            "model_type": "llava",
+            "image_token_index": image_token_id,
+            "vision_feature_select_strategy": "default",
+            "vision_feature_layer": -2,
+            "projector_hidden_act": "gelu",
+            "torch_dtype": "float16",
+            "text_config": {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 32064,
+                "max_position_embeddings": 4096,
+            },
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": 336,
+                "patch_size": 14,
+                "projection_dim": 32,
+            },
+        },
+    )
     tokenizer = PreTrainedTokenizerFast.from_pretrained(snapshot)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     assert tokenizer.convert_tokens_to_ids("<image>") == image_token_id
     processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(size={"shortest_edge": 336},
-                                           crop_size={"height": 336, "width": 336}),
-        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
-        image_token="<image>", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
     processor.save_pretrained(snapshot)
 
 
@@ -197,31 +229,81 @@ def main() -> int:
     (work / "cpu_platform_plugin.py").write_text(CPU_PLUGIN)
     (work / "balance_swap_plugin.py").write_text(SWAP_PLUGIN)
     hf_home = work / "hf-home"
-    fake_hub_model(hf_home, "facebook/opt-125m", {
-        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
-        "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-        "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 64,
-        "do_layer_norm_before": True, "eos_token_id": 2, "bos_token_id": 2, "pad_token_id": 1,
-        "torch_dtype": "float16"})
+    fake_hub_model(
+        hf_home,
+        "facebook/opt-125m",
+        {
+            "architectures": ["OPTForCausalLM"],
+            "model_type": "opt",
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "vocab_size": 50272,
+            "max_position_embeddings": 2048,
+            "word_embed_proj_dim": 64,
+            "do_layer_norm_before": True,
+            "eos_token_id": 2,
+            "bos_token_id": 2,
+            "pad_token_id": 1,
+            "torch_dtype": "float16",
+        },
+    )
     fake_llava(hf_home)
     # vLLM 0.33's streaming-lookahead tests build a hybrid model with MTP speculative decoding.
-    fake_hub_model(hf_home, "Qwen/Qwen3-Next-80B-A3B-Instruct", {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 4, "full_attention_interval": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
-        "mtp_num_hidden_layers": 1, "vocab_size": 1024, "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16"})
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(work),
-           "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", "ascend_balance_scheduling")}
+    fake_hub_model(
+        hf_home,
+        "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "full_attention_interval": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mtp_num_hidden_layers": 1,
+            "vocab_size": 1024,
+            "max_position_embeddings": 4096,
+            "torch_dtype": "bfloat16",
+        },
+    )
+    env = {
+        **os.environ,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(work),
+        "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", "ascend_balance_scheduling"),
+    }
     swap = [] if args.stock else ["-p", "balance_swap_plugin"]
-    command = [sys.executable, "-m", "pytest", "-p", "cpu_platform_plugin", *swap, "-q",
-               "-p", "no:cacheprovider", "--rootdir", str(work),
-               *[str(work / f) for f in TEST_FILES], *pytest_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "cpu_platform_plugin",
+        *swap,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(work),
+        *[str(work / f) for f in TEST_FILES],
+        *pytest_args,
+    ]
     print(f"vLLM {version}: running {', '.join(TEST_FILES)} in {work}", flush=True)
     return subprocess.run(command, cwd=work, env=env).returncode
 

@@ -80,14 +80,16 @@ def vllm_restored() -> Iterator[None]:
     DP engine class, the wiring's recorded vLLM function, and the copying module's name."""
     import vllm.v1.engine.core as engine_core_module
     from vllm.config import SchedulerConfig, VllmConfig
-
     from vllm_ascend_balance import patch_balance_schedule as wiring
 
     saved = [
         (SchedulerConfig, "get_scheduler_cls", SchedulerConfig.__dict__["get_scheduler_cls"]),
         (VllmConfig, "__post_init__", VllmConfig.__dict__["__post_init__"]),
-        (engine_core_module.EngineCoreProc, "run_engine_core",
-         engine_core_module.EngineCoreProc.__dict__["run_engine_core"]),
+        (
+            engine_core_module.EngineCoreProc,
+            "run_engine_core",
+            engine_core_module.EngineCoreProc.__dict__["run_engine_core"],
+        ),
         (engine_core_module, "DPEngineCoreProc", engine_core_module.DPEngineCoreProc),
         (wiring, "_vllm_run_engine_core", wiring._vllm_run_engine_core),
     ]

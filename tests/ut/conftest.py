@@ -20,7 +20,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)
 
 import pytest  # noqa: E402
-
 from balance_fixtures import (  # noqa: E402,F401  (pytest.ini's pythonpath has tests/ut)
     balance_env_unset,
     balance_off,
@@ -53,5 +52,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             elif _digest(Path(spec.origin)) != _digest(source):
                 stale.append(f"{module} ({spec.origin}) differs from {directory}/{source.name}")
     if stale:
-        pytest.exit("installed project is not the working tree (run scripts/test.sh, which "
-                    "reinstalls it):\n  " + "\n  ".join(stale), returncode=3)
+        pytest.exit(
+            "installed project is not the working tree (run scripts/test.sh, which "
+            "reinstalls it):\n  " + "\n  ".join(stale),
+            returncode=3,
+        )

@@ -58,7 +58,6 @@ def main(order: str, switch: str, model_dir: str) -> None:
     additional_config = {"enable_balance_scheduling": True} if switch == "config" else None
     from offline_vllm import make_vllm_config  # PYTHONPATH from the test
     from vllm.v1.engine.core import EngineCoreProc
-
     from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
     vllm_launch = EngineCoreProc.__dict__["run_engine_core"].__func__
@@ -68,19 +67,21 @@ def main(order: str, switch: str, model_dir: str) -> None:
         copy_bound = EngineCoreProc.__dict__["run_engine_core"].__module__
         # vLLM imports this lazily; here it is first imported while the global is rebound.
         import vllm.v1.core.sched.async_scheduler  # noqa: F401
+
         patch_balance_coexist.register()
     else:
         patch_balance_coexist.register()
         import_vllm_ascend_copy()
 
+    import vllm.v1.core.sched.async_scheduler  # noqa: F401  (as EngineCore would, lazily)
     import vllm.v1.core.sched.scheduler as scheduler_module
 
-    import vllm.v1.core.sched.async_scheduler  # noqa: F401  (as EngineCore would, lazily)
-
-    configs = {async_scheduling: make_vllm_config(Path(model_dir), dp_size=2,
-                                                  async_scheduling=async_scheduling,
-                                                  additional_config=additional_config)
-               for async_scheduling in (False, True)}
+    configs = {
+        async_scheduling: make_vllm_config(
+            Path(model_dir), dp_size=2, async_scheduling=async_scheduling, additional_config=additional_config
+        )
+        for async_scheduling in (False, True)
+    }
     copy_module = sys.modules[COPYING_MODULE]
     bound = EngineCoreProc.__dict__["run_engine_core"]  # vllm-ascend binds a plain function
     launch = bound.__func__ if isinstance(bound, staticmethod) else bound
@@ -94,14 +95,13 @@ def main(order: str, switch: str, model_dir: str) -> None:
         "upstream_is_vllm_code": (
             upstream.__code__.co_names == vllm_launch.__code__.co_names
             and upstream.__code__.co_firstlineno == vllm_launch.__code__.co_firstlineno
-            and upstream.__code__.co_filename == vllm_launch.__code__.co_filename),
+            and upstream.__code__.co_filename == vllm_launch.__code__.co_filename
+        ),
     }
     for async_scheduling, config in configs.items():
         resolved = config.scheduler_config.get_scheduler_cls()
-        report[f"async={async_scheduling}"] = [
-            f"{k.__module__}.{k.__qualname__}" for k in resolved.__mro__]
-    report["scheduler_global"] = (f"{scheduler_module.Scheduler.__module__}."
-                                  f"{scheduler_module.Scheduler.__qualname__}")
+        report[f"async={async_scheduling}"] = [f"{k.__module__}.{k.__qualname__}" for k in resolved.__mro__]
+    report["scheduler_global"] = f"{scheduler_module.Scheduler.__module__}.{scheduler_module.Scheduler.__qualname__}"
     print("PROBE " + json.dumps(report))
 
 

@@ -44,13 +44,13 @@ from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCoreProc
+from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 from vllm_ascend.core.balance_scheduler import (
     BalanceAsyncScheduler,
     BalanceScheduler,
     BalanceSchedulingMixin,
 )
-from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 DIST_NAME = "vllm-ascend-balance-scheduling"
 PLUGIN_NAME = "ascend_balance_scheduling"
@@ -91,10 +91,10 @@ def test_vllm_loads_the_plugin(balance_on: None, monkeypatch: pytest.MonkeyPatch
     assert wrapper_layers() == ["_balanced_get_scheduler_cls", "_copy_free_get_scheduler_cls", "vllm"]
 
 
-@pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
-                                                         (True, BalanceAsyncScheduler)])
-def test_flag_on_resolves_the_balanced_class(registered: None, tiny_model: Path,
-                                             async_scheduling: bool, expected: type) -> None:
+@pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler), (True, BalanceAsyncScheduler)])
+def test_flag_on_resolves_the_balanced_class(
+    registered: None, tiny_model: Path, async_scheduling: bool, expected: type
+) -> None:
     config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling)
     assert config.scheduler_config.get_scheduler_cls() is expected
 
@@ -117,24 +117,30 @@ OFF = {"enable_balance_scheduling": False}
 def _class_built_on_a_copy() -> type:
     """Stand-in for vllm-ascend 0.23's ProfilingChunkScheduler: a scheduler class in another
     module whose base is the copying module's scheduler (defined under that module's name)."""
-    namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule",
-                                 "Base": Scheduler}
-    exec("class BalanceScheduler(Base):\n    def schedule(self, *a, **k):\n"
-         "        raise AssertionError('copied schedule() ran')", namespace)
-    return type("ProfilingChunkScheduler", (namespace["BalanceScheduler"],),
-                {"__module__": "vllm_ascend.core.scheduler_profiling_chunk"})
+    namespace: dict[str, Any] = {"__name__": "vllm_ascend.patch.platform.patch_balance_schedule", "Base": Scheduler}
+    exec(
+        "class BalanceScheduler(Base):\n    def schedule(self, *a, **k):\n"
+        "        raise AssertionError('copied schedule() ran')",
+        namespace,
+    )
+    return type(
+        "ProfilingChunkScheduler",
+        (namespace["BalanceScheduler"],),
+        {"__module__": "vllm_ascend.core.scheduler_profiling_chunk"},
+    )
 
 
 def test_a_scheduler_cls_built_on_the_copy_is_refused(registered: None, tiny_model: Path) -> None:
     config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=_class_built_on_a_copy())
-    with pytest.raises(RuntimeError, match="scheduler_profiling_chunk.ProfilingChunkScheduler "
-                                           "is built on vllm-ascend's copied schedule"):
+    with pytest.raises(
+        RuntimeError,
+        match="scheduler_profiling_chunk.ProfilingChunkScheduler is built on vllm-ascend's copied schedule",
+    ):
         config.scheduler_config.get_scheduler_cls()
 
 
 @pytest.mark.parametrize("env", ["unset", "0"])
-def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_model: Path,
-                                       env: str) -> None:
+def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_model: Path, env: str) -> None:
     if env == "unset":
         monkeypatch.delenv("VLLM_ASCEND_BALANCE_SCHEDULING", raising=False)
     else:
@@ -151,15 +157,13 @@ def test_switches_off_leave_vllm_stock(monkeypatch: pytest.MonkeyPatch, tiny_mod
     assert not route_installed()
 
 
-@pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler),
-                                                         (True, BalanceAsyncScheduler)])
-def test_config_switch_alone_activates_at_config_time(balance_env_unset: None, tiny_model: Path,
-                                                      async_scheduling: bool,
-                                                      expected: type) -> None:
+@pytest.mark.parametrize("async_scheduling, expected", [(False, BalanceScheduler), (True, BalanceAsyncScheduler)])
+def test_config_switch_alone_activates_at_config_time(
+    balance_env_unset: None, tiny_model: Path, async_scheduling: bool, expected: type
+) -> None:
     patch_balance_coexist.register()
     assert not route_installed()
-    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling,
-                              additional_config=ON)
+    config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=async_scheduling, additional_config=ON)
     assert route_installed()  # before any engine core starts
     assert config.scheduler_config.get_scheduler_cls() is expected
 
@@ -183,12 +187,12 @@ def test_the_decision_travels_with_the_config(balance_env_unset: None, tiny_mode
 def test_bad_config_value_fails_at_config_time(balance_env_unset: None, tiny_model: Path) -> None:
     patch_balance_coexist.register()
     with pytest.raises(ValueError, match="enable_balance_scheduling.*true and false"):
-        make_vllm_config(tiny_model, dp_size=2,
-                         additional_config={"enable_balance_scheduling": "false"})
+        make_vllm_config(tiny_model, dp_size=2, additional_config={"enable_balance_scheduling": "false"})
 
 
-def test_flag_turned_off_later_gives_stock_classes(registered: None, tiny_model: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flag_turned_off_later_gives_stock_classes(
+    registered: None, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "0")
     config = make_vllm_config(tiny_model, dp_size=2, async_scheduling=False)
     assert config.scheduler_config.get_scheduler_cls() is Scheduler
@@ -210,20 +214,24 @@ def test_bad_flag_fails_at_plugin_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 @pytest.mark.parametrize("switch", ["env", "config"])
-def test_pd_disaggregated_role_fails_at_config_time(monkeypatch: pytest.MonkeyPatch,
-                                                    tiny_model: Path, role: str,
-                                                    switch: str) -> None:
+def test_pd_disaggregated_role_fails_at_config_time(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Path, role: str, switch: str
+) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1" if switch == "env" else "0")
     patch_balance_coexist.register()
     with pytest.raises(ValueError, match=f"supports only PD-mixed.*{role}"):
-        make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role=role),
-            additional_config=ON if switch == "config" else None)
+        make_vllm_config(
+            tiny_model,
+            dp_size=2,
+            kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role=role),
+            additional_config=ON if switch == "config" else None,
+        )
 
 
 def test_pd_mixed_role_is_accepted(registered: None, tiny_model: Path) -> None:
-    config = make_vllm_config(tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(
-        kv_connector="ExampleConnector", kv_role="kv_both"))
+    config = make_vllm_config(
+        tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    )
     assert config.kv_transfer_config is not None
 
 
@@ -234,16 +242,14 @@ def _run(args: list[str], **env: str) -> str:
 
 
 def _probe(order: str, switch: str, tiny_model: Path) -> dict[str, Any]:
-    out = _run([sys.executable, str(HERE / "import_order_probe.py"), order, switch,
-                str(tiny_model)])
+    out = _run([sys.executable, str(HERE / "import_order_probe.py"), order, switch, str(tiny_model)])
     report: dict[str, Any] = json.loads(out.split("PROBE ", 1)[1].splitlines()[0])
     return report
 
 
 @pytest.mark.parametrize("switch", ["env", "config"])
 @pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
-def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Path, order: str,
-                                                                 switch: str) -> None:
+def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Path, order: str, switch: str) -> None:
     report = _probe(order, switch, tiny_model)
     for key, ours in (("async=False", "BalanceScheduler"), ("async=True", "BalanceAsyncScheduler")):
         mro = report[key]
@@ -255,8 +261,7 @@ def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Pat
 
 
 @pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
-def test_with_both_switches_off_vllm_ascends_module_is_left_in_effect(tiny_model: Path,
-                                                                      order: str) -> None:
+def test_with_both_switches_off_vllm_ascends_module_is_left_in_effect(tiny_model: Path, order: str) -> None:
     """vllm-ascend 0.23 imports its module unconditionally (its off path and its kv_producer
     preemption guard live there): with balance scheduling off, this plugin changes nothing."""
     report = _probe(order, "off", tiny_model)
@@ -317,12 +322,14 @@ for flag in (False, True):
                            async_scheduling=flag).scheduler_config.get_scheduler_cls()
     print("RESOLVED", cls.__module__ + "." + cls.__qualname__)
 """
-    out = _run([sys.executable, "-S", "-c", script],
-               PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), helper_process_env()["PYTHONPATH"]]),
-               VLLM_PLUGINS=PLUGIN_NAME, VLLM_ASCEND_BALANCE_SCHEDULING="1")
+    out = _run(
+        [sys.executable, "-S", "-c", script],
+        PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), helper_process_env()["PYTHONPATH"]]),
+        VLLM_PLUGINS=PLUGIN_NAME,
+        VLLM_ASCEND_BALANCE_SCHEDULING="1",
+    )
     resolved = [line.split()[1] for line in out.splitlines() if line.startswith("RESOLVED")]
-    assert resolved == ["vllm.v1.core.sched.scheduler.Scheduler",
-                        "vllm.v1.core.sched.async_scheduler.AsyncScheduler"]
+    assert resolved == ["vllm.v1.core.sched.scheduler.Scheduler", "vllm.v1.core.sched.async_scheduler.AsyncScheduler"]
 
 
 VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
@@ -330,8 +337,11 @@ VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
 
 @pytest.mark.parametrize("switch", ["on", "off"])
 def test_vllm_ascend_copy_installed_first_is_repaired_only_when_on(
-    balance_env_unset: None, tiny_moe_model: Path, caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch, switch: str
+    balance_env_unset: None,
+    tiny_moe_model: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    switch: str,
 ) -> None:
     """In-process stand-in: a function from vllm-ascend's module name (the real module is
     imported in a separate process by test_engine_import_order.py)."""
@@ -350,12 +360,19 @@ def test_vllm_ascend_copy_installed_first_is_repaired_only_when_on(
     assert rebuilt is not VLLM_RUN_ENGINE_CORE
     # Same source, same module: same names, variables and lines (the byte code itself may
     # differ in peephole details between the wheel's .pyc and a fresh compile).
-    for attribute in ("co_names", "co_varnames", "co_cellvars", "co_filename",
-                      "co_firstlineno", "co_argcount", "co_kwonlyargcount"):
-        assert (getattr(rebuilt.__code__, attribute)
-                == getattr(VLLM_RUN_ENGINE_CORE.__code__, attribute)), attribute
-    assert ({line for *_, line in rebuilt.__code__.co_lines()}
-            == {line for *_, line in VLLM_RUN_ENGINE_CORE.__code__.co_lines()})
+    for attribute in (
+        "co_names",
+        "co_varnames",
+        "co_cellvars",
+        "co_filename",
+        "co_firstlineno",
+        "co_argcount",
+        "co_kwonlyargcount",
+    ):
+        assert getattr(rebuilt.__code__, attribute) == getattr(VLLM_RUN_ENGINE_CORE.__code__, attribute), attribute
+    assert {line for *_, line in rebuilt.__code__.co_lines()} == {
+        line for *_, line in VLLM_RUN_ENGINE_CORE.__code__.co_lines()
+    }
     assert rebuilt.__globals__ is VLLM_RUN_ENGINE_CORE.__globals__
     assert rebuilt.__qualname__ == "EngineCoreProc.run_engine_core"
     assert "replaced EngineCoreProc.run_engine_core with a stale copy" in caplog.text

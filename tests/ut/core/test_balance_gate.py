@@ -29,6 +29,7 @@ from offline_vllm import build_scheduler, emulate_gather, make_request, make_vll
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
 from vllm_ascend.core import balance_scheduler as balance_module
 from vllm_ascend.core.balance_scheduler import (
@@ -36,7 +37,6 @@ from vllm_ascend.core.balance_scheduler import (
     BalanceScheduler,
     balance_scheduler_class,
 )
-from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
 CAP = 4
 
@@ -57,10 +57,12 @@ def trace(scheduler: Any, arrivals: dict[int, list[Any]], steps: int) -> list[tu
         for request in arrivals.get(index, []):
             scheduler.add_request(request)
         output, engine_outputs = step(scheduler)
-        finished = sorted(o.request_id for eo in engine_outputs.values() for o in eo.outputs
-                          if o.finish_reason is not None)
-        seen.append((new_ids(output), dict(output.num_scheduled_tokens),
-                     sorted(output.preempted_req_ids or ()), finished))
+        finished = sorted(
+            o.request_id for eo in engine_outputs.values() for o in eo.outputs if o.finish_reason is not None
+        )
+        seen.append(
+            (new_ids(output), dict(output.num_scheduled_tokens), sorted(output.preempted_req_ids or ()), finished)
+        )
     return seen
 
 
@@ -69,8 +71,8 @@ def random_arrivals(seed: int, count: int = 24) -> dict[int, list[Any]]:
     arrivals: dict[int, list[Any]] = {}
     for i in range(count):
         arrivals.setdefault(rng.randrange(20), []).append(
-            make_request(f"r{seed}-{i}", num_prompt_tokens=rng.randrange(4, 120),
-                         max_tokens=rng.randrange(1, 12)))
+            make_request(f"r{seed}-{i}", num_prompt_tokens=rng.randrange(4, 120), max_tokens=rng.randrange(1, 12))
+        )
     return arrivals
 
 
@@ -80,6 +82,7 @@ def config(tiny_model: Path) -> Any:
 
 
 # ---- the switch ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (None, False)])
 def test_flag_values(monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bool) -> None:
@@ -108,20 +111,19 @@ def test_the_class_decides_not_the_switches(monkeypatch: pytest.MonkeyPatch, con
 
 # ---- construction ---------------------------------------------------------------------------
 
+
 def test_constructor_takes_vllm_arguments_positionally_too(balance_on: None, config: Any) -> None:
     keyword_built = build_scheduler(BalanceScheduler, config)
     names = list(inspect.signature(Scheduler.__init__).parameters)[1:5]
     assert names == ["vllm_config", "kv_cache_config", "structured_output_manager", "block_size"]
-    positional = BalanceScheduler(config, keyword_built.kv_cache_config,
-                                  keyword_built.structured_output_manager, 16)
+    positional = BalanceScheduler(config, keyword_built.kv_cache_config, keyword_built.structured_output_manager, 16)
     assert isinstance(positional, Scheduler) and len(positional.balance_queue) == 2
 
 
 def test_balance_queue_is_one_int32_cpu_tensor_per_rank(balance_on: None, tiny_model: Path) -> None:
     scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, dp_size=3))
     assert len(scheduler.balance_queue) == 3
-    assert all(t.dtype == torch.int32 and t.device.type == "cpu" and t.shape == (1,)
-               for t in scheduler.balance_queue)
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" and t.shape == (1,) for t in scheduler.balance_queue)
 
 
 def test_balanced_classes_wrap_what_vllm_would_use() -> None:
@@ -133,11 +135,14 @@ def test_balanced_classes_wrap_what_vllm_would_use() -> None:
 
 # ---- the gate --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scheduler_cls", [BalanceScheduler, BalanceAsyncScheduler])
-def test_gate_freezes_admission_while_any_rank_is_at_cap(balance_on: None, tiny_model: Path,
-                                                         scheduler_cls: type) -> None:
-    config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2,
-                              async_scheduling=scheduler_cls is BalanceAsyncScheduler)
+def test_gate_freezes_admission_while_any_rank_is_at_cap(
+    balance_on: None, tiny_model: Path, scheduler_cls: type
+) -> None:
+    config = make_vllm_config(
+        tiny_model, max_num_seqs=CAP, dp_size=2, async_scheduling=scheduler_cls is BalanceAsyncScheduler
+    )
     scheduler = build_scheduler(scheduler_cls, config)
     first = [make_request(f"a{i}", max_tokens=50) for i in range(2)]
     for request in first:
@@ -184,8 +189,9 @@ def test_the_threshold_is_the_cap_and_a_subclass_may_move_it(config: Any) -> Non
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_open_gate_schedules_exactly_like_stock_vllm(tiny_model: Path, seed: int, async_scheduling: bool) -> None:
     def run(scheduler_cls: type, counts: list[int]) -> list[tuple]:
-        config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=40,
-                                  async_scheduling=async_scheduling)
+        config = make_vllm_config(
+            tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=40, async_scheduling=async_scheduling
+        )
         scheduler = build_scheduler(scheduler_cls, config)
         if hasattr(scheduler, "balance_queue"):
             gathered(scheduler, counts)
@@ -198,8 +204,7 @@ def test_open_gate_schedules_exactly_like_stock_vllm(tiny_model: Path, seed: int
     assert sum(len(t[3]) for t in stock) == 24  # every request finished
 
 
-def test_dp_size_one_warns_and_never_gathers(balance_on: None, tiny_model: Path,
-                                             mocker: Any) -> None:
+def test_dp_size_one_warns_and_never_gathers(balance_on: None, tiny_model: Path, mocker: Any) -> None:
     all_gather = mocker.patch.object(balance_module.dist, "all_gather")
     warning_once = mocker.patch.object(balance_module.logger, "warning_once")
     scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, dp_size=1))
@@ -210,6 +215,7 @@ def test_dp_size_one_warns_and_never_gathers(balance_on: None, tiny_model: Path,
 
 
 # ---- pause states ------------------------------------------------------------------------------
+
 
 def _running_and_waiting(config: Any) -> Any:
     scheduler = build_scheduler(BalanceScheduler, config)
@@ -231,8 +237,7 @@ def test_paused_all_schedules_nothing(balance_on: None, config: Any, gate_closed
 
 
 @pytest.mark.parametrize("gate_closed", [False, True])
-def test_paused_new_schedules_running_only(balance_on: None, config: Any,
-                                           gate_closed: bool) -> None:
+def test_paused_new_schedules_running_only(balance_on: None, config: Any, gate_closed: bool) -> None:
     scheduler = _running_and_waiting(config)
     gathered(scheduler, [CAP if gate_closed else 0, 0])
     scheduler.set_pause_state(PauseState.PAUSED_NEW)
@@ -243,10 +248,8 @@ def test_paused_new_schedules_running_only(balance_on: None, config: Any,
     assert new_ids(step(scheduler)[0]) == ([] if gate_closed else ["wait"])
 
 
-@pytest.mark.parametrize("requested", [PauseState.PAUSED_NEW, PauseState.PAUSED_ALL,
-                                       PauseState.UNPAUSED])
-def test_a_pause_requested_during_a_gated_step_is_kept(balance_on: None, config: Any,
-                                                       requested: PauseState) -> None:
+@pytest.mark.parametrize("requested", [PauseState.PAUSED_NEW, PauseState.PAUSED_ALL, PauseState.UNPAUSED])
+def test_a_pause_requested_during_a_gated_step_is_kept(balance_on: None, config: Any, requested: PauseState) -> None:
     scheduler = _running_and_waiting(config)
     gathered(scheduler, [0, CAP])
     seen_inside: list[PauseState] = []
@@ -278,6 +281,7 @@ def test_gate_state_is_restored_when_schedule_raises(balance_on: None, config: A
 
 
 # ---- forwarding and foreign classes -------------------------------------------------------------
+
 
 def test_schedule_arguments_are_forwarded_untouched(balance_on: None, config: Any) -> None:
     received: list[tuple] = []

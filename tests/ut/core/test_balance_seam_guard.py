@@ -40,7 +40,11 @@ from vllm_ascend.core.balance_seam import inspect_schedule, schedule_seam_proble
 # Methods of vLLM's Scheduler that read ``_pause_state`` directly. Code among them that runs
 # *inside* schedule() sees the gate's transient PAUSED_NEW; a new reader must be reviewed.
 KNOWN_PAUSE_STATE_READERS = {
-    "__init__", "schedule", "pause_state", "set_pause_state", "get_num_unfinished_requests",
+    "__init__",
+    "schedule",
+    "pause_state",
+    "set_pause_state",
+    "get_num_unfinished_requests",
 }
 
 
@@ -58,7 +62,8 @@ def _methods_reading(cls: type, attribute: str) -> set[str]:
 
 def test_pause_state_has_the_three_states_the_gate_uses() -> None:
     assert {s.name for s in PauseState} >= {"UNPAUSED", "PAUSED_NEW", "PAUSED_ALL"}, (
-        "vLLM's PauseState lost a member the balance gate relies on")
+        "vLLM's PauseState lost a member the balance gate relies on"
+    )
 
 
 @pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
@@ -67,8 +72,8 @@ def test_admission_only_under_the_unpaused_guard(scheduler_cls: type) -> None:
     assert not problems, (
         "SEAM MOVED: vLLM's schedule() no longer keeps all waiting-request admission under "
         "`self._pause_state == PauseState.UNPAUSED`, so the balance gate (a transient "
-        "PAUSED_NEW) would not stop admissions. Revisit vllm_ascend/core/balance_seam.py:\n"
-        + "\n".join(problems))
+        "PAUSED_NEW) would not stop admissions. Revisit vllm_ascend/core/balance_seam.py:\n" + "\n".join(problems)
+    )
 
 
 def test_upstream_schedule_has_admission_sites_to_guard() -> None:
@@ -76,7 +81,8 @@ def test_upstream_schedule_has_admission_sites_to_guard() -> None:
     # 0.18.0 has peeks/pops of the waiting queues, the queue selector and running.append.
     assert report.admission_sites >= 3, (
         f"SEAM MOVED: only {report.admission_sites} admission sites found in "
-        "Scheduler.schedule(); admission may have moved into a helper the check cannot see")
+        "Scheduler.schedule(); admission may have moved into a helper the check cannot see"
+    )
 
 
 def test_pause_state_readers_are_the_reviewed_ones() -> None:
@@ -85,7 +91,8 @@ def test_pause_state_readers_are_the_reviewed_ones() -> None:
         f"SEAM MOVED: methods of vLLM's Scheduler reading _pause_state changed: new "
         f"{sorted(readers - KNOWN_PAUSE_STATE_READERS)}, gone "
         f"{sorted(KNOWN_PAUSE_STATE_READERS - readers)}. A new reader called during schedule() "
-        "would observe the gate's transient PAUSED_NEW: review it and update the README.")
+        "would observe the gate's transient PAUSED_NEW: review it and update the README."
+    )
 
 
 def test_the_check_detects_an_unguarded_admission() -> None:
@@ -131,9 +138,11 @@ def test_engine_core_loads_plugins_before_resolving_the_scheduler_class() -> Non
     resolve_at = source.find("get_scheduler_cls()")
     assert 0 <= plugins_at < resolve_at, (
         "SEAM MOVED: EngineCore.__init__ no longer loads general plugins before "
-        "get_scheduler_cls(); the balance plugin would be too late to wrap the class")
+        "get_scheduler_cls(); the balance plugin would be too late to wrap the class"
+    )
 
 
 def test_scheduler_class_is_resolved_through_scheduler_config() -> None:
     assert callable(SchedulerConfig.__dict__.get("get_scheduler_cls")), (
-        "SEAM MOVED: SchedulerConfig.get_scheduler_cls is gone; the plugin wraps it")
+        "SEAM MOVED: SchedulerConfig.get_scheduler_cls is gone; the plugin wraps it"
+    )

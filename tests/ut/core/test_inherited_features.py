@@ -44,8 +44,8 @@ from offline_vllm import (
 from vllm.config import KVTransferConfig
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
@@ -53,8 +53,9 @@ from vllm_ascend.core.balance_scheduler import BalanceScheduler
 CAP = 4
 CLOSED, OPEN = [CAP, 0], [0, 0]
 # A JSON-mode request waiting for its grammar (renamed in vLLM 0.23).
-WAITING_FOR_GRAMMAR = getattr(RequestStatus, "WAITING_FOR_FSM", None) or getattr(
-    RequestStatus, "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR")
+WAITING_FOR_GRAMMAR = (
+    getattr(RequestStatus, "WAITING_FOR_FSM", None) or RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+)
 
 
 def set_gate(scheduler: Any, counts: list[int]) -> None:
@@ -71,11 +72,11 @@ def waiting_ids(scheduler: Any) -> list[str]:
 
 @pytest.fixture
 def balanced(balance_on: None, tiny_model: Path) -> Any:
-    return build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, max_num_seqs=CAP,
-                                                              dp_size=2))
+    return build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2))
 
 
 # ---- structured output (JSON mode): WAITING_FOR_FSM (0.23: ..._GRAMMAR) --------------------------------------
+
 
 def _wait_for_grammar(request: Any) -> None:
     deadline = time.monotonic() + 60
@@ -111,12 +112,22 @@ def test_json_mode_request_waits_while_gated_then_keeps_its_place(balanced: Any)
 
 # ---- remote KV: WAITING_FOR_REMOTE_KVS -> WAITING (or PREEMPTED) --------------------------------
 
+
 @pytest.fixture
 def remote_kv(balance_on: None, tiny_model: Path) -> Any:
     fake_remote_kv.register()
-    config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, kv_transfer_config=(
-        KVTransferConfig(kv_connector=fake_remote_kv.NAME, kv_role="kv_both",
-                         kv_connector_extra_config={"matched_tokens": 32, "is_async": True})))
+    config = make_vllm_config(
+        tiny_model,
+        max_num_seqs=CAP,
+        dp_size=2,
+        kv_transfer_config=(
+            KVTransferConfig(
+                kv_connector=fake_remote_kv.NAME,
+                kv_role="kv_both",
+                kv_connector_extra_config={"matched_tokens": 32, "is_async": True},
+            )
+        ),
+    )
     return build_scheduler(BalanceScheduler, config)
 
 
@@ -126,10 +137,12 @@ def _finish_receiving(scheduler: Any, output: Any, req_id: str) -> None:
     scheduler.update_from_output(output, runner_output)
 
 
-@pytest.mark.parametrize("preempted_before, promoted_to", [
-    (False, RequestStatus.WAITING), (True, RequestStatus.PREEMPTED)])
+@pytest.mark.parametrize(
+    "preempted_before, promoted_to", [(False, RequestStatus.WAITING), (True, RequestStatus.PREEMPTED)]
+)
 def test_remote_kv_request_is_promoted_only_when_the_gate_opens(
-        remote_kv: Any, preempted_before: bool, promoted_to: RequestStatus, mocker: Any) -> None:
+    remote_kv: Any, preempted_before: bool, promoted_to: RequestStatus, mocker: Any
+) -> None:
     request = make_request("remote", num_prompt_tokens=40)
     remote_kv.add_request(request)
     output = remote_kv.schedule()  # gate open: the async load starts
@@ -157,12 +170,20 @@ def test_remote_kv_request_is_promoted_only_when_the_gate_opens(
     assert request.status == RequestStatus.RUNNING
 
 
-def test_connector_prefix_cache_stats_are_recorded_on_admission(balance_on: None,
-                                                                tiny_model: Path) -> None:
+def test_connector_prefix_cache_stats_are_recorded_on_admission(balance_on: None, tiny_model: Path) -> None:
     fake_remote_kv.register()
-    config = make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, kv_transfer_config=(
-        KVTransferConfig(kv_connector=fake_remote_kv.NAME, kv_role="kv_both",
-                         kv_connector_extra_config={"matched_tokens": 32, "is_async": False})))
+    config = make_vllm_config(
+        tiny_model,
+        max_num_seqs=CAP,
+        dp_size=2,
+        kv_transfer_config=(
+            KVTransferConfig(
+                kv_connector=fake_remote_kv.NAME,
+                kv_role="kv_both",
+                kv_connector_extra_config={"matched_tokens": 32, "is_async": False},
+            )
+        ),
+    )
     scheduler = build_scheduler(BalanceScheduler, config)
     scheduler.add_request(make_request("hit", num_prompt_tokens=48))
     set_gate(scheduler, CLOSED)
@@ -178,6 +199,7 @@ def test_connector_prefix_cache_stats_are_recorded_on_admission(balance_on: None
 
 # ---- streaming input: WAITING_FOR_STREAMING_REQ ----------------------------------------------
 
+
 def test_streaming_input_session_resumes_only_when_the_gate_opens(balanced: Any) -> None:
     first = make_request("stream", num_prompt_tokens=8, max_tokens=1, resumable=True)
     balanced.add_request(first)
@@ -187,8 +209,9 @@ def test_streaming_input_session_resumes_only_when_the_gate_opens(balanced: Any)
     assert balanced.get_num_unfinished_requests() == 0  # waiting for input is not work
 
     set_gate(balanced, CLOSED)
-    balanced.add_request(make_request("stream", num_prompt_tokens=6, max_tokens=1,
-                                      resumable=True))  # the next input chunk arrives
+    balanced.add_request(
+        make_request("stream", num_prompt_tokens=6, max_tokens=1, resumable=True)
+    )  # the next input chunk arrives
     assert session.status == RequestStatus.WAITING
     output, _ = step(balanced)
     assert not output.num_scheduled_tokens and waiting_ids(balanced) == ["stream"]
@@ -200,10 +223,12 @@ def test_streaming_input_session_resumes_only_when_the_gate_opens(balanced: Any)
 
 # ---- Mamba block-aligned split -------------------------------------------------------------
 
+
 def test_mamba_block_aligned_split_is_applied_on_admission(tiny_model: Path) -> None:
     def chunks(scheduler_cls: type) -> list[int]:
-        scheduler = build_scheduler(scheduler_cls, make_vllm_config(
-            tiny_model, max_num_seqs=CAP, dp_size=2, max_num_batched_tokens=40))
+        scheduler = build_scheduler(
+            scheduler_cls, make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, max_num_batched_tokens=40)
+        )
         # A hybrid (Mamba) model sets this from its KV-cache groups; none can be built on CPU.
         scheduler.need_mamba_block_aligned_split = True
         scheduler.add_request(make_request("hybrid", num_prompt_tokens=100, max_tokens=1))
@@ -216,16 +241,18 @@ def test_mamba_block_aligned_split_is_applied_on_admission(tiny_model: Path) -> 
 
 # ---- encoder cache freed when KV allocation fails -----------------------------------------------
 
-def test_encoder_cache_is_freed_when_kv_allocation_fails(balance_on: None, tiny_model: Path,
-                                                         mocker: Any) -> None:
-    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(
-        tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=4))  # 64 KV tokens in all
+
+def test_encoder_cache_is_freed_when_kv_allocation_fails(balance_on: None, tiny_model: Path, mocker: Any) -> None:
+    scheduler = build_scheduler(
+        BalanceScheduler, make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=4)
+    )  # 64 KV tokens in all
     # A multimodal model would size these from its encoder; the tiny text model has none.
     scheduler.max_num_encoder_input_tokens = 100
     scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=100)
     free = mocker.spy(scheduler.encoder_cache_manager, "free")
-    image = MultiModalFeatureSpec(data=None, modality="image", identifier="img0",
-                                  mm_position=PlaceholderRange(offset=2, length=10))
+    image = MultiModalFeatureSpec(
+        data=None, modality="image", identifier="img0", mm_position=PlaceholderRange(offset=2, length=10)
+    )
     scheduler.add_request(make_request("mm", num_prompt_tokens=100, mm_features=[image]))
     output = scheduler.schedule()
     assert admitted(output) == [] and not output.scheduled_encoder_inputs
@@ -235,17 +262,26 @@ def test_encoder_cache_is_freed_when_kv_allocation_fails(balance_on: None, tiny_
 
 # ---- preemption returns the preempted request's token budget ------------------------------------
 
+
 def test_preemption_matches_stock_vllm(tiny_model: Path) -> None:
     def run(scheduler_cls: type) -> list[tuple]:
-        scheduler = build_scheduler(scheduler_cls, make_vllm_config(
-            tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=9, max_num_batched_tokens=64))
+        scheduler = build_scheduler(
+            scheduler_cls,
+            make_vllm_config(tiny_model, max_num_seqs=CAP, dp_size=2, num_blocks=9, max_num_batched_tokens=64),
+        )
         for i in range(4):
             scheduler.add_request(make_request(f"p{i}", num_prompt_tokens=30, max_tokens=20))
         seen = []
         for _ in range(120):
             output, _ = step(scheduler)
-            seen.append((admitted(output), sorted(output.preempted_req_ids or ()),
-                         dict(output.num_scheduled_tokens), output.total_num_scheduled_tokens))
+            seen.append(
+                (
+                    admitted(output),
+                    sorted(output.preempted_req_ids or ()),
+                    dict(output.num_scheduled_tokens),
+                    output.total_num_scheduled_tokens,
+                )
+            )
             if not scheduler.requests:
                 break
         assert not scheduler.requests  # everything finished

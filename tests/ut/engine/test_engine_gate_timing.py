@@ -65,8 +65,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(config: Any, arrivals: dict[int, dict[int, list[Any]]], steps: int
-              ) -> list[dict[str, Any]]:
+def run_ranks(config: Any, arrivals: dict[int, dict[int, list[Any]]], steps: int) -> list[dict[str, Any]]:
     """Run ``steps`` busy-loop iterations on DP ranks; ``arrivals[rank][step]`` are added
     before that step. Returns per rank what schedule() saw/admitted and len(running) after."""
     port = _free_port()
@@ -76,8 +75,7 @@ def run_ranks(config: Any, arrivals: dict[int, dict[int, list[Any]]], steps: int
 
     def rank_main(rank: int) -> None:
         try:
-            group = stateless_init_torch_distributed_process_group(
-                "127.0.0.1", port, rank, DP, backend="gloo")
+            group = stateless_init_torch_distributed_process_group("127.0.0.1", port, rank, DP, backend="gloo")
             executor = RecordingExecutor(schedulers[rank], steps)
             core = make_engine_core(config, schedulers[rank], executor, group, rank)
             core._handle_client_request(EngineCoreRequestType.START_DP_WAVE, (0, -1))
@@ -88,8 +86,7 @@ def run_ranks(config: Any, arrivals: dict[int, dict[int, list[Any]]], steps: int
                     core._handle_client_request(EngineCoreRequestType.ADD, (request, 0))
                 assert busy_loop_iteration(core)
                 running_after.append(len(core.scheduler.running))
-            records[rank] = {"seen": executor.seen, "admitted": executor.admitted,
-                             "running_after": running_after}
+            records[rank] = {"seen": executor.seen, "admitted": executor.admitted, "running_after": running_after}
         except BaseException as error:  # noqa: BLE001 - re-raised in the test thread
             errors.append(error)
 
@@ -109,13 +106,13 @@ def config(tiny_moe_model: Path) -> Any:
     return make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=DP)
 
 
-def test_gate_sees_previous_step_counts_and_freezes_all_ranks_until_below_cap(
-        balance_on: None, config: Any) -> None:
+def test_gate_sees_previous_step_counts_and_freezes_all_ranks_until_below_cap(balance_on: None, config: Any) -> None:
     arrivals = {
         # Rank 1 fills to its cap at step 0; "a3" finishes after 10 tokens (at step 9).
-        1: {0: [make_request(f"a{i}", max_tokens=40) for i in range(3)]
-               + [make_request("a3", max_tokens=10)],
-            2: [make_request("a4", max_tokens=40)]},
+        1: {
+            0: [make_request(f"a{i}", max_tokens=40) for i in range(3)] + [make_request("a3", max_tokens=10)],
+            2: [make_request("a4", max_tokens=40)],
+        },
         0: {2: [make_request("b0", max_tokens=5), make_request("b1", max_tokens=5)]},
     }
     rank0, rank1 = run_ranks(config, arrivals, steps=13)
@@ -125,8 +122,7 @@ def test_gate_sees_previous_step_counts_and_freezes_all_ranks_until_below_cap(
         scheduled = [step for step, seen in enumerate(rank["seen"]) if seen is not None]
         assert len(scheduled) >= 11
         for step in scheduled:
-            previous = ([0, 0] if step == 0 else [rank0["running_after"][step - 1],
-                                                  rank1["running_after"][step - 1]])
+            previous = [0, 0] if step == 0 else [rank0["running_after"][step - 1], rank1["running_after"][step - 1]]
             assert rank["seen"][step] == previous, step
     assert rank1["admitted"][0] == ["a0", "a1", "a2", "a3"]
     assert rank1["running_after"][:10] == [4] * 9 + [3]

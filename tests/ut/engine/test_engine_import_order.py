@@ -35,22 +35,26 @@ REPAIR_LOG = "replaced EngineCoreProc.run_engine_core with a stale copy"
 @pytest.mark.parametrize("switch", ["env", "config"])
 def test_engine_hook_wins_in_both_import_orders(tiny_model: Path, switch: str) -> None:
     # Both probes start before either is awaited: their vLLM imports overlap.
-    probes = {order: subprocess.Popen([sys.executable, str(PROBE), order, switch,
-                                       str(tiny_model)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=helper_process_env())
-              for order in ("theirs-first", "ours-first")}
+    probes = {
+        order: subprocess.Popen(
+            [sys.executable, str(PROBE), order, switch, str(tiny_model)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=helper_process_env(),
+        )
+        for order in ("theirs-first", "ours-first")
+    }
     reports = {}
     for order, probe in probes.items():
         out, err = probe.communicate(timeout=300)
         assert probe.returncode == 0, err[-3000:]
-        line = next(l for l in out.splitlines() if l.startswith("PROBE "))
-        reports[order] = (json.loads(line[len("PROBE "):]), out + err)  # vLLM logs to stdout
+        line = next(text for text in out.splitlines() if text.startswith("PROBE "))
+        reports[order] = (json.loads(line[len("PROBE ") :]), out + err)  # vLLM logs to stdout
     theirs, theirs_log = reports["theirs-first"]
     # The real copying module did replace run_engine_core before the plugin ran, and the
     # repair says so.
-    assert theirs["copy_bound_before_register"] == (
-        "vllm_ascend.patch.platform.patch_balance_schedule")
+    assert theirs["copy_bound_before_register"] == ("vllm_ascend.patch.platform.patch_balance_schedule")
     assert REPAIR_LOG in theirs_log
     ours, ours_log = reports["ours-first"]
     if switch == "env":

@@ -29,15 +29,14 @@ import contextlib
 import os
 import pickle
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm.v1.engine.core as engine_core_module
 from offline_vllm import make_vllm_config
 from vllm.v1.engine.core import EngineCoreProc
-
-import vllm.v1.engine.core as engine_core_module
 from vllm_ascend_balance import patch_balance_schedule as wiring
 
 HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
@@ -104,6 +103,7 @@ def test_a_foreign_run_engine_core_is_refused(balance_on: None, monkeypatch: pyt
 
 # ---- real engine-core child processes, started by vLLM's launcher with spawn ----------------
 
+
 @contextlib.contextmanager
 def _child_output_to(path: Path) -> Iterator[None]:
     """Children inherit fds 1 and 2 at start: point them at ``path`` meanwhile."""
@@ -129,9 +129,15 @@ def _launch(config: Any, output: Path) -> Any:
     with _child_output_to(output):
         # One local engine of a DP-2 deployment (rank 0), exactly as vLLM's front-end starts it.
         return CoreEngineProcManager(
-            local_engine_count=1, start_index=0, local_start_index=0, vllm_config=config,
-            local_client=True, handshake_address="unusable://stop-after-class-choice",
-            executor_class=UniProcExecutor, log_stats=False)
+            local_engine_count=1,
+            start_index=0,
+            local_start_index=0,
+            vllm_config=config,
+            local_client=True,
+            handshake_address="unusable://stop-after-class-choice",
+            executor_class=UniProcExecutor,
+            log_stats=False,
+        )
 
 
 def _launch_all(configs: dict[str, Any], tmp_path: Path) -> dict[str, str]:
@@ -152,8 +158,8 @@ def _launch_all(configs: dict[str, Any], tmp_path: Path) -> dict[str, str]:
 
 
 def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
-        engine_hook: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Path,
-        tiny_moe_model: Path) -> None:
+    engine_hook: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model: Path, tiny_moe_model: Path
+) -> None:
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the children's hook line is at INFO
     moe = make_vllm_config(tiny_moe_model, dp_size=2)
@@ -170,8 +176,8 @@ def test_spawned_engine_cores_run_the_hook_for_moe_and_stock_for_dense(
 
 
 def test_spawned_engine_cores_follow_the_config_switch_alone(
-        balance_env_unset: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-        tiny_moe_model: Path) -> None:
+    balance_env_unset: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_moe_model: Path
+) -> None:
     """No env flag anywhere: the config switch installs the route in the front-end, and each
     engine-core child follows the decision recorded on the config it receives (on: hook class; silent: stock)."""
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

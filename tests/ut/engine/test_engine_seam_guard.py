@@ -60,7 +60,9 @@ def test_the_hook_extends_the_dp_set_up_and_the_gather_site_and_only_reports_at_
     assert BalanceDPEngineCoreProc.__bases__ == (DPEngineCoreProc,)
     assert "_has_global_unfinished_reqs" in vars(DPEngineCoreProc)
     assert list(inspect.signature(DPEngineCoreProc._has_global_unfinished_reqs).parameters) == [
-        "self", "local_unfinished"]
+        "self",
+        "local_unfinished",
+    ]
     assert list(inspect.signature(DPEngineCoreProc.shutdown).parameters) == ["self"]
 
 
@@ -71,16 +73,18 @@ def test_run_engine_core_is_what_the_launcher_pickles() -> None:
 
 # ---- each check can fail ----------------------------------------------------------------------
 
+
 def test_detects_the_gather_site_moved_into_a_branch() -> None:
-    core = replaced(CORE, f"            {GATHER_CALL}",
-                    f"            if executed:\n                {GATHER_CALL}")
+    core = replaced(CORE, f"            {GATHER_CALL}", f"            if executed:\n                {GATHER_CALL}")
     assert any("not a plain statement" in p for p in problems_with(core))
 
 
 def test_detects_a_second_call_site() -> None:
-    core = replaced(CORE, "            executed = self._process_engine_step()\n",
-                    "            executed = self._process_engine_step()\n"
-                    "            self._has_global_unfinished_reqs(False)\n")
+    core = replaced(
+        CORE,
+        "            executed = self._process_engine_step()\n",
+        "            executed = self._process_engine_step()\n            self._has_global_unfinished_reqs(False)\n",
+    )
     assert any("exactly once" in p for p in problems_with(core))
 
 
@@ -95,44 +99,48 @@ def test_detects_the_gather_site_gone() -> None:
 
 
 def test_detects_a_call_outside_the_loop() -> None:
-    core = replaced(CORE, "    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:\n",
-                    "    def other(self):\n        return self._has_global_unfinished_reqs(True)\n\n"
-                    "    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:\n")
+    core = replaced(
+        CORE,
+        "    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:\n",
+        "    def other(self):\n        return self._has_global_unfinished_reqs(True)\n\n"
+        "    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:\n",
+    )
     assert any("also called outside" in p for p in problems_with(core))
 
 
 def test_detects_dp_class_bound_locally_in_run_engine_core() -> None:
-    core = replaced(CORE, "            if data_parallel and vllm_config.model_config.is_moe:\n",
-                    "            from vllm.v1.engine.dp import DPEngineCoreProc\n"
-                    "            if data_parallel and vllm_config.model_config.is_moe:\n")
+    core = replaced(
+        CORE,
+        "            if data_parallel and vllm_config.model_config.is_moe:\n",
+        "            from vllm.v1.engine.dp import DPEngineCoreProc\n"
+        "            if data_parallel and vllm_config.model_config.is_moe:\n",
+    )
     assert any("binds DPEngineCoreProc locally" in p for p in problems_with(core))
 
 
 def test_detects_dp_class_no_longer_chosen_by_is_moe() -> None:
-    core = replaced(CORE, "if data_parallel and vllm_config.model_config.is_moe:",
-                    "if data_parallel:")
+    core = replaced(CORE, "if data_parallel and vllm_config.model_config.is_moe:", "if data_parallel:")
     assert any("under a test on is_moe" in p for p in problems_with(core))
 
 
 def test_detects_run_engine_core_no_longer_a_staticmethod() -> None:
-    core = replaced(CORE, "    @staticmethod\n    def run_engine_core(",
-                    "    @classmethod\n    def run_engine_core(")
+    core = replaced(CORE, "    @staticmethod\n    def run_engine_core(", "    @classmethod\n    def run_engine_core(")
     assert any("no longer a staticmethod" in p for p in problems_with(core))
 
 
 def test_detects_the_launcher_target_changed() -> None:
-    launcher = replaced(LAUNCHER, "target=EngineCoreProc.run_engine_core,",
-                        "target=run_engine_core_entry,")
+    launcher = replaced(LAUNCHER, "target=EngineCoreProc.run_engine_core,", "target=run_engine_core_entry,")
     assert any("front-end route is gone" in p for p in problems_with(launcher=launcher))
 
 
-def test_install_refuses_when_a_seam_moved(balance_on: None,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend.core import balance_seam
+def test_install_refuses_when_a_seam_moved(balance_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_balance import patch_balance_schedule
 
-    monkeypatch.setattr(balance_seam, "installed_engine_seam_problems",
-                        lambda: ("DPEngineCoreProc.run_busy_loop is gone",))
+    from vllm_ascend.core import balance_seam
+
+    monkeypatch.setattr(
+        balance_seam, "installed_engine_seam_problems", lambda: ("DPEngineCoreProc.run_busy_loop is gone",)
+    )
     with pytest.raises(RuntimeError, match="no longer offers the seam"):
         patch_balance_schedule.install_engine_route()
     assert EngineCoreProc.run_engine_core is not patch_balance_schedule.run_engine_core

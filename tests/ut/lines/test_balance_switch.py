@@ -16,8 +16,6 @@ from offline_vllm import build_scheduler, emulate_gather, make_request, make_vll
 from pytest_mock import MockerFixture
 from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.scheduler import Scheduler
-
-from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend_balance import patch_balance_schedule as wiring
 from vllm_ascend_balance.patch_balance_schedule import (
     BALANCE_SCHEDULING_CONFIG_KEY,
@@ -26,6 +24,8 @@ from vllm_ascend_balance.patch_balance_schedule import (
     decide,
     recorded_decision,
 )
+
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
 
 CAP = 2
 
@@ -42,18 +42,22 @@ def config(tiny_model: Path) -> Any:
 
 # ---- which switch decides -------------------------------------------------------------------
 
-@pytest.mark.parametrize("env, config_value, expected", [
-    (None, True, True),
-    (None, False, False),
-    ("0", True, True),    # the config wins over the env...
-    ("1", False, False),  # ...in both directions
-    ("1", None, True),    # the env decides only when the config says nothing
-    ("0", None, False),
-    (None, None, False),  # neither: off
-])
+
+@pytest.mark.parametrize(
+    "env, config_value, expected",
+    [
+        (None, True, True),
+        (None, False, False),
+        ("0", True, True),  # the config wins over the env...
+        ("1", False, False),  # ...in both directions
+        ("1", None, True),  # the env decides only when the config says nothing
+        ("0", None, False),
+        (None, None, False),  # neither: off
+    ],
+)
 def test_config_wins_and_env_decides_only_when_config_is_silent(
-        monkeypatch: pytest.MonkeyPatch, config: Any, env: str | None, config_value: bool | None,
-        expected: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, config: Any, env: str | None, config_value: bool | None, expected: bool
+) -> None:
     if env is None:
         monkeypatch.delenv(BALANCE_SCHEDULING_ENV, raising=False)
     else:
@@ -80,8 +84,7 @@ def test_the_recorded_decision_outlives_the_switches(monkeypatch: pytest.MonkeyP
     assert recorded_decision(config.scheduler_config) is True
 
 
-def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatch,
-                                                  config: Any) -> None:
+def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
     config.additional_config = {"enable_flashcomm1": False}
     assert config_balance_switch(config) is None
@@ -89,16 +92,14 @@ def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("value", ["true", "false", 1, 0, None, "1"])
-def test_non_boolean_config_value_is_a_clear_error(balance_env_unset: None, config: Any,
-                                                   value: Any) -> None:
+def test_non_boolean_config_value_is_a_clear_error(balance_env_unset: None, config: Any, value: Any) -> None:
     # vllm-ascend reads bool(value): the string "false" would silently turn it on there.
     with_switch(config, value)
     with pytest.raises(ValueError, match=r"enable_balance_scheduling.*true and false"):
         decide(config)
 
 
-def test_bad_env_value_is_an_error_even_when_the_config_decides(
-        monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
+def test_bad_env_value_is_an_error_even_when_the_config_decides(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "yes")
     with pytest.raises(ValueError, match=BALANCE_SCHEDULING_ENV):
         decide(with_switch(config, True))
@@ -106,19 +107,20 @@ def test_bad_env_value_is_an_error_even_when_the_config_decides(
 
 # ---- what the log says ------------------------------------------------------------------------
 
+
 def logged(spy: Any) -> str:
     return "\n".join(call.args[0] % call.args[1:] for call in spy.call_args_list)
 
 
-def test_log_names_the_config_when_it_decides(balance_env_unset: None, config: Any,
-                                              mocker: MockerFixture) -> None:
+def test_log_names_the_config_when_it_decides(balance_env_unset: None, config: Any, mocker: MockerFixture) -> None:
     info = mocker.spy(wiring.logger, "info_once")
     decide(with_switch(config, True))
     assert "on: set by additional_config['enable_balance_scheduling']=True" in logged(info)
 
 
 def test_log_names_the_env_and_its_deprecation_when_it_decides(
-        monkeypatch: pytest.MonkeyPatch, config: Any, mocker: MockerFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, config: Any, mocker: MockerFixture
+) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
     info = mocker.spy(wiring.logger, "info_once")
     decide(config)
@@ -126,16 +128,16 @@ def test_log_names_the_env_and_its_deprecation_when_it_decides(
     assert f"on: set by {BALANCE_SCHEDULING_ENV}=1" in text and "deprecates" in text
 
 
-def test_conflict_warns_that_the_env_is_ignored(monkeypatch: pytest.MonkeyPatch, config: Any,
-                                                mocker: MockerFixture) -> None:
+def test_conflict_warns_that_the_env_is_ignored(
+    monkeypatch: pytest.MonkeyPatch, config: Any, mocker: MockerFixture
+) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
     warning = mocker.spy(wiring.logger, "warning_once")
     assert decide(with_switch(config, False)) is False
     assert f"{BALANCE_SCHEDULING_ENV}=1 is ignored" in logged(warning)
 
 
-def test_nothing_is_logged_when_no_switch_is_set(balance_env_unset: None, config: Any,
-                                                 mocker: MockerFixture) -> None:
+def test_nothing_is_logged_when_no_switch_is_set(balance_env_unset: None, config: Any, mocker: MockerFixture) -> None:
     info = mocker.spy(wiring.logger, "info_once")
     warning = mocker.spy(wiring.logger, "warning_once")
     assert decide(config) is False
@@ -173,7 +175,9 @@ def test_config_switch_off_overrides_the_env_in_the_scheduler(monkeypatch: pytes
 
 def test_pd_refusal_names_both_switches(balance_env_unset: None, tiny_model: Path) -> None:
     config = make_vllm_config(
-        tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer")
+        tiny_model,
+        dp_size=2,
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"),
     )
     with pytest.raises(ValueError, match=r"supports only PD-mixed.*kv_producer") as error:
         decide(with_switch(config, True))
@@ -189,7 +193,9 @@ def test_naming_a_balanced_class_switches_balance_on(balance_env_unset: None, ti
     assert config.scheduler_config.get_scheduler_cls() is BalanceScheduler
 
 
-def test_naming_a_balanced_class_with_a_switch_off_is_an_error(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+def test_naming_a_balanced_class_with_a_switch_off_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Path
+) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "0")
     config = make_vllm_config(tiny_model, dp_size=2, scheduler_cls=BalanceScheduler)
     with pytest.raises(ValueError, match="is a balance scheduling class, but balance scheduling is switched off"):

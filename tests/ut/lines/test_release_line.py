@@ -20,14 +20,13 @@ import pytest
 from offline_vllm import BLOCK_SIZE, build_scheduler, kv_cache_config_for, make_vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
-from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 SUPPORTED_LINES = ("0.18.0", "0.23.0")
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
 COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional"}
-
 
 
 def installed_line() -> str:
@@ -43,29 +42,26 @@ def vllm_ascend_file(relative: str) -> Path:
 def test_installed_pair_is_a_supported_line() -> None:
     vllm_version, ascend_version = metadata.version("vllm"), metadata.version("vllm-ascend")
     assert vllm_version in SUPPORTED_LINES, f"vllm {vllm_version} is not a maintained line"
-    assert ascend_version == vllm_version, (
-        f"vllm-ascend {ascend_version} does not pair with vllm {vllm_version}")
+    assert ascend_version == vllm_version, f"vllm-ascend {ascend_version} does not pair with vllm {vllm_version}"
 
 
 def test_vllm_ascend_copy_lives_where_the_wiring_expects_it() -> None:
-    path = vllm_ascend_file(
-        VLLM_ASCEND_COPYING_MODULE.removeprefix("vllm_ascend.").replace(".", "/") + ".py")
+    path = vllm_ascend_file(VLLM_ASCEND_COPYING_MODULE.removeprefix("vllm_ascend.").replace(".", "/") + ".py")
     tree = ast.parse(path.read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     assert "BalanceScheduler" in classes, f"{path} no longer defines BalanceScheduler"
-    assert any(isinstance(item, ast.FunctionDef) and item.name == "schedule"
-               for item in classes["BalanceScheduler"].body), "its schedule() copy is gone"
+    assert any(
+        isinstance(item, ast.FunctionDef) and item.name == "schedule" for item in classes["BalanceScheduler"].body
+    ), "its schedule() copy is gone"
     # The module-level rebinding the wiring undoes (Scheduler) or replaces (run_engine_core).
-    rebound = {ast.unparse(target) for node in tree.body if isinstance(node, ast.Assign)
-               for target in node.targets}
+    rebound = {ast.unparse(target) for node in tree.body if isinstance(node, ast.Assign) for target in node.targets}
     assert "vllm.v1.core.sched.scheduler.Scheduler" in rebound
     assert "EngineCoreProc.run_engine_core" in rebound
 
 
 def _copy_import_style(init_source: str) -> str:
     def imports_copy(node: ast.AST) -> bool:
-        return isinstance(node, ast.Import) and any(
-            alias.name == VLLM_ASCEND_COPYING_MODULE for alias in node.names)
+        return isinstance(node, ast.Import) and any(alias.name == VLLM_ASCEND_COPYING_MODULE for alias in node.names)
 
     tree = ast.parse(init_source)
     if any(imports_copy(node) for node in tree.body):
@@ -80,8 +76,7 @@ def _copy_import_style(init_source: str) -> str:
 def test_copy_import_style_parser_tells_the_styles_apart() -> None:
     module = VLLM_ASCEND_COPYING_MODULE
     assert _copy_import_style(f"import {module}\n") == "unconditional"
-    assert _copy_import_style(
-        f"if envs.VLLM_ASCEND_BALANCE_SCHEDULING:\n    import {module}\n") == "env-gated"
+    assert _copy_import_style(f"if envs.VLLM_ASCEND_BALANCE_SCHEDULING:\n    import {module}\n") == "env-gated"
     assert _copy_import_style("import os\n") == "not imported"
 
 
@@ -96,8 +91,8 @@ def test_how_vllm_ascend_imports_its_copy_on_this_line() -> None:
 
 # ---- the scheduler constructor across lines ---------------------------------------------------
 
-def test_balance_scheduler_takes_exactly_vllms_constructor(balance_on: None,
-                                                           tiny_model: Path) -> None:
+
+def test_balance_scheduler_takes_exactly_vllms_constructor(balance_on: None, tiny_model: Path) -> None:
     """0.23 added ``hash_block_size``; the mixin forwards whatever the installed vLLM takes."""
     parameters = inspect.signature(Scheduler.__init__).parameters
     config = make_vllm_config(tiny_model, dp_size=2)
@@ -105,14 +100,21 @@ def test_balance_scheduler_takes_exactly_vllms_constructor(balance_on: None,
     if "hash_block_size" in parameters:
         extra["hash_block_size"] = BLOCK_SIZE
     scheduler = BalanceScheduler(
-        vllm_config=config, kv_cache_config=kv_cache_config_for(config),
-        structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
-        **extra)
+        vllm_config=config,
+        kv_cache_config=kv_cache_config_for(config),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        **extra,
+    )
     assert len(scheduler.balance_queue) == 2
     with pytest.raises(TypeError):
-        BalanceScheduler(vllm_config=config, kv_cache_config=kv_cache_config_for(config),
-                         structured_output_manager=StructuredOutputManager(config),
-                         block_size=BLOCK_SIZE, not_a_vllm_argument=1)
+        BalanceScheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config_for(config),
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK_SIZE,
+            not_a_vllm_argument=1,
+        )
 
 
 def test_schedule_takes_no_arguments_on_this_line(balance_on: None, tiny_model: Path) -> None:

@@ -55,8 +55,10 @@ def _record_intact(project: Manifest, paths: list[str]) -> str | None:
     """Why the installed distribution cannot serve as the pristine release (None: it can)."""
     installed = metadata.version(project.distribution)
     if installed != project.version:
-        return (f"installed {project.distribution} {installed} is not exactly {project.version}: "
-                "its pristine files would have to be downloaded (unit tests stay offline)")
+        return (
+            f"installed {project.distribution} {installed} is not exactly {project.version}: "
+            "its pristine files would have to be downloaded (unit tests stay offline)"
+        )
     dist = metadata.distribution(project.distribution)
     hashes = {str(f): f.hash.value for f in dist.files or [] if f.hash is not None}
     for path in paths:

@@ -44,12 +44,16 @@ def _toml(value: str) -> str:
 
 def _synthetic_manifest() -> str:
     assert PROJECT is not None
-    edits = "".join(f"[[patch.edit]]\npath = {_toml(e.path)}\nfind = {_toml(e.find)}\n"
-                    f"replace = {_toml(e.replace)}\n" for e in INIT_EDITS)
-    rewrites = ", ".join(f"{{ find = {_toml(r.find)}, replace = {_toml(r.replace)} }}"
-                         for r in _test_patch(PROJECT).rewrites)
+    edits = "".join(
+        f"[[patch.edit]]\npath = {_toml(e.path)}\nfind = {_toml(e.find)}\nreplace = {_toml(e.replace)}\n"
+        for e in INIT_EDITS
+    )
+    rewrites = ", ".join(
+        f"{{ find = {_toml(r.find)}, replace = {_toml(r.replace)} }}" for r in _test_patch(PROJECT).rewrites
+    )
     forbid = ", ".join(_toml(name) for name in _test_patch(PROJECT).forbid)
-    return textwrap.dedent(f'''
+    return (
+        textwrap.dedent(f'''
         [base]
         distribution = "{PROJECT.distribution}"
         version = "{PROJECT.version}"
@@ -69,7 +73,9 @@ def _synthetic_manifest() -> str:
         subject = "[Feature] Example"
         files = [{{ from = "vllm_ascend/core/balance_*.py" }},
                  {{ from = "{WIRING_SOURCE}", to = "{WIRING_TARGET}" }}]
-        ''') + edits + textwrap.dedent(f'''
+        ''')
+        + edits
+        + textwrap.dedent(f"""
         [patch.message]
         text = "### What this PR does / why we need it?\\n\\nExample."
 
@@ -82,7 +88,8 @@ def _synthetic_manifest() -> str:
         forbid = [{forbid}]
         [patch.message]
         text = "### How was this patch tested?\\n\\nExample."
-        ''')
+        """)
+    )
 
 
 # The project's manifest for the installed vllm-ascend release (the tools' default too).
@@ -98,23 +105,25 @@ if PROJECT is not None:
     WIRING_TARGET = wiring_target(PROJECT)
     INIT_EDITS = tuple(edit for spec in PROJECT.patches for edit in spec.edits if edit.path == INIT)
     # The line of the edited __init__ that calls register() (what a conflict must show).
-    REGISTER_CALL = next(line for edit in INIT_EDITS for line in edit.replace.splitlines()
-                         if "register" in line and line.rstrip().endswith("()"))
-    NEW_FILES = ["vllm_ascend/core/balance_example.py", "tests/ut/core/test_example.py",
-                 "tests/ut/core/helper.py"] + (
-                     [WIRING_TARGET] if WIRING_TARGET != WIRING_SOURCE else [])
+    REGISTER_CALL = next(
+        line
+        for edit in INIT_EDITS
+        for line in edit.replace.splitlines()
+        if "register" in line and line.rstrip().endswith("()")
+    )
+    NEW_FILES = ["vllm_ascend/core/balance_example.py", "tests/ut/core/test_example.py", "tests/ut/core/helper.py"] + (
+        [WIRING_TARGET] if WIRING_TARGET != WIRING_SOURCE else []
+    )
     MANIFEST = _synthetic_manifest()
 else:  # every test that uses these is skipped (needs_release, or the fixtures of conftest.py)
     WIRING_TARGET = INIT_EDITS = REGISTER_CALL = NEW_FILES = MANIFEST = None  # type: ignore
 
 FILES = {
     "vllm_ascend/core/balance_example.py": '"""Example."""\nVALUE = 1\n',
-    WIRING_SOURCE:
-        '"""Wiring, installed as vllm_ascend_balance.patch_balance_schedule."""\n\n\n'
-        "def register() -> None:\n    pass\n",
-    "tests/ut/engine/test_example.py":
-        "from vllm_ascend_balance import patch_balance_schedule\n\n\n"
-        "def test_it() -> None:\n    assert patch_balance_schedule.register() is None\n",
+    WIRING_SOURCE: '"""Wiring, installed as vllm_ascend_balance.patch_balance_schedule."""\n\n\n'
+    "def register() -> None:\n    pass\n",
+    "tests/ut/engine/test_example.py": "from vllm_ascend_balance import patch_balance_schedule\n\n\n"
+    "def test_it() -> None:\n    assert patch_balance_schedule.register() is None\n",
     "tests/ut/conftest.py": "# project-only\n",
     "scripts/helper.py": "HELP = 1\n",
 }

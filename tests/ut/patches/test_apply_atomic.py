@@ -78,23 +78,29 @@ def _trial(bench: Bench, command: str, step: int) -> tuple[list[str], bool]:
     status = call_tool("status", *bench.args)
     pending = bench.journal_pending()
     if status.returncode != (Status.INTERRUPTED.code if pending else 0):
-        problems.append(f"status exit {status.returncode} (journal pending: {pending}): "
-                        f"{status.stdout.strip()}")
-    if pending and "`apply` finishes it" not in status.stdout + status.stderr \
-            and "`revert` finishes it" not in status.stdout + status.stderr:
+        problems.append(f"status exit {status.returncode} (journal pending: {pending}): {status.stdout.strip()}")
+    if (
+        pending
+        and "`apply` finishes it" not in status.stdout + status.stderr
+        and "`revert` finishes it" not in status.stdout + status.stderr
+    ):
         problems.append(f"status does not say what the next command does: {status.stdout}")
     if snapshot(bench.tree) != before_status:
         problems.append("status changed the tree")
     reverted = call_tool("revert", *bench.args)
     if reverted.returncode != 0 or snapshot(bench.tree) != bench.pristine:
-        problems.append(f"revert did not restore the pristine tree (exit {reverted.returncode}): "
-                        f"{_diff(bench.pristine, snapshot(bench.tree))} {reverted.stderr.strip()}")
+        problems.append(
+            f"revert did not restore the pristine tree (exit {reverted.returncode}): "
+            f"{_diff(bench.pristine, snapshot(bench.tree))} {reverted.stderr.strip()}"
+        )
     if pending and "found an" not in reverted.stdout:
         problems.append(f"revert did not say it recovered: {reverted.stdout.strip()}")
     applied = call_tool("apply", *bench.args)
     if applied.returncode != 0 or snapshot(bench.tree) != bench.applied:
-        problems.append(f"apply did not complete (exit {applied.returncode}): "
-                        f"{_diff(bench.applied, snapshot(bench.tree))} {applied.stderr.strip()}")
+        problems.append(
+            f"apply did not complete (exit {applied.returncode}): "
+            f"{_diff(bench.applied, snapshot(bench.tree))} {applied.stderr.strip()}"
+        )
     return problems, pending
 
 
@@ -117,8 +123,7 @@ def _diff(expected: Tree, actual: Tree) -> str:
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
-def test_a_kill_at_any_step_is_recovered_by_the_next_revert_and_apply(
-        bench: Bench, command: str) -> None:
+def test_a_kill_at_any_step_is_recovered_by_the_next_revert_and_apply(bench: Bench, command: str) -> None:
     steps = bench.steps(command)
     chosen = spread(steps, TRIALS)
     failures, interrupted = [], 0
@@ -127,17 +132,18 @@ def test_a_kill_at_any_step_is_recovered_by_the_next_revert_and_apply(
         failures += [f"step {number} ({steps[number - 1]}): {problem}" for problem in problems]
         interrupted += pending
     in_tree = sum(str(bench.tree) in steps[number - 1] for number in chosen)
-    print(f"{command}: {len(chosen)} SIGKILL trials over its {len(steps)} steps ({in_tree} at a "
-          f"change to the tree, {interrupted} leaving an unfinished transaction); "
-          f"failures: {len(failures)}")
+    print(
+        f"{command}: {len(chosen)} SIGKILL trials over its {len(steps)} steps ({in_tree} at a "
+        f"change to the tree, {interrupted} leaving an unfinished transaction); "
+        f"failures: {len(failures)}"
+    )
     # At least 30, landing before the journal is committed, inside the transaction, and after.
     assert len(chosen) >= 30 and in_tree >= 8 and 8 <= interrupted < len(chosen)
     assert failures == []
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
-def test_the_same_command_again_finishes_what_a_kill_interrupted(bench: Bench,
-                                                                 command: str) -> None:
+def test_the_same_command_again_finishes_what_a_kill_interrupted(bench: Bench, command: str) -> None:
     steps = bench.steps(command)
     # Kills inside the transaction: after the journal is committed, before it is marked done.
     commit = next(i for i, s in enumerate(steps, 1) if s.endswith("/journal"))
@@ -145,8 +151,7 @@ def test_the_same_command_again_finishes_what_a_kill_interrupted(bench: Bench,
     expected = bench.applied if command == "apply" else bench.pristine
     for number in range(commit + 1, done + 1, max(1, (done - commit) // 5)):
         bench.reset("pristine" if command == "apply" else "applied")
-        assert run_killed_at(number, bench.work / "t.log", command,
-                             *bench.args).returncode == -signal.SIGKILL
+        assert run_killed_at(number, bench.work / "t.log", command, *bench.args).returncode == -signal.SIGKILL
         assert bench.journal_pending(), steps[number - 1]
         again = call_tool(command, *bench.args)
         assert again.returncode == 0, again.stderr
@@ -156,12 +161,12 @@ def test_the_same_command_again_finishes_what_a_kill_interrupted(bench: Bench,
 
 def test_a_kill_during_the_recovery_is_recovered_too(bench: Bench) -> None:
     apply_steps = bench.steps("apply")
-    middle = next(i for i, s in enumerate(apply_steps, 1) if s.startswith("rename")
-                  and str(bench.tree) in s) + 1  # after the first file went into place
+    middle = (
+        next(i for i, s in enumerate(apply_steps, 1) if s.startswith("rename") and str(bench.tree) in s) + 1
+    )  # after the first file went into place
     for recovery_step in (1, 3, 8):
         bench.reset("pristine")
-        assert run_killed_at(middle, bench.work / "a.log", "apply",
-                             *bench.args).returncode == -signal.SIGKILL
+        assert run_killed_at(middle, bench.work / "a.log", "apply", *bench.args).returncode == -signal.SIGKILL
         killed = run_killed_at(recovery_step, bench.work / "r.log", "revert", *bench.args)
         assert killed.returncode == -signal.SIGKILL
         assert call_tool("status", *bench.args).returncode == Status.INTERRUPTED.code

@@ -30,7 +30,8 @@ def backups(state_root: Path) -> list[Path]:
 
 
 def test_apply_is_checked_backed_up_idempotent_and_reverts_exactly(
-        vllm_ascend_tree: Path, series: Path, state_root: Path) -> None:
+    vllm_ascend_tree: Path, series: Path, state_root: Path
+) -> None:
     original = snapshot(vllm_ascend_tree)
     args = ("--target", vllm_ascend_tree, "--series", series)
     assert run_tool("status", *args).returncode == 0
@@ -58,11 +59,11 @@ def test_apply_is_checked_backed_up_idempotent_and_reverts_exactly(
     assert "nothing to revert" in run_tool("revert", *args).stdout
 
 
-def test_a_conflict_names_the_hunk_and_changes_nothing(vllm_ascend_tree: Path, series: Path,
-                                                       state_root: Path) -> None:
+def test_a_conflict_names_the_hunk_and_changes_nothing(vllm_ascend_tree: Path, series: Path, state_root: Path) -> None:
     init = vllm_ascend_tree / INIT
-    init.write_text(init.read_text().replace("patch_balance_schedule  # noqa",
-                                             "patch_balance_schedule  # noqa: edited"))
+    init.write_text(
+        init.read_text().replace("patch_balance_schedule  # noqa", "patch_balance_schedule  # noqa: edited")
+    )
     before = snapshot(vllm_ascend_tree)
     args = ("--target", vllm_ascend_tree, "--series", series)
     status = run_tool("status", *args)
@@ -78,7 +79,8 @@ def test_a_conflict_names_the_hunk_and_changes_nothing(vllm_ascend_tree: Path, s
 
 
 def test_an_edit_after_apply_is_reported_and_revert_force_restores_the_originals(
-        vllm_ascend_tree: Path, series: Path, state_root: Path) -> None:
+    vllm_ascend_tree: Path, series: Path, state_root: Path
+) -> None:
     original = snapshot(vllm_ascend_tree)
     args = ("--target", vllm_ascend_tree, "--series", series)
     assert run_tool("apply", *args).returncode == 0
@@ -98,8 +100,7 @@ def test_an_edit_after_apply_is_reported_and_revert_force_restores_the_originals
     assert (backups(state_root)[-1] / "before" / INIT).read_text() == edited  # the edit is kept
 
 
-def test_an_edit_outside_the_hunks_is_reported_and_reverted_around(
-        vllm_ascend_tree: Path, series: Path) -> None:
+def test_an_edit_outside_the_hunks_is_reported_and_reverted_around(vllm_ascend_tree: Path, series: Path) -> None:
     args = ("--target", vllm_ascend_tree, "--series", series)
     assert run_tool("apply", *args).returncode == 0
     init = vllm_ascend_tree / INIT
@@ -112,16 +113,14 @@ def test_an_edit_outside_the_hunks_is_reported_and_reverted_around(
     assert run_tool("status", *args).returncode == 0
 
 
-def test_an_installed_vllm_ascend_gets_only_the_package_part(site_packages: Path,
-                                                             series: Path) -> None:
+def test_an_installed_vllm_ascend_gets_only_the_package_part(site_packages: Path, series: Path) -> None:
     assert find_target(site_packages, installed=False).installed
     assert run_tool("apply", "--target", site_packages, "--series", series).returncode == 0
     assert (site_packages / "vllm_ascend/core/balance_example.py").exists()
     assert not (site_packages / "tests").exists()
 
 
-def test_the_plugin_installed_in_the_same_place_is_named(site_packages: Path,
-                                                         series: Path) -> None:
+def test_the_plugin_installed_in_the_same_place_is_named(site_packages: Path, series: Path) -> None:
     (site_packages / "vllm_ascend_balance_scheduling-0.1.0.dist-info").mkdir()
     args = ("--target", site_packages, "--series", series)
     for command in ("apply", "revert"):
@@ -138,19 +137,18 @@ def test_a_directory_without_vllm_ascend_is_refused(tmp_path: Path) -> None:
 
 
 def test_relative_paths_are_resolved_from_the_current_directory(
-        vllm_ascend_tree: Path, series: Path, tmp_path: Path) -> None:
+    vllm_ascend_tree: Path, series: Path, tmp_path: Path
+) -> None:
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    args = ("--target", os.path.relpath(vllm_ascend_tree, cwd),
-            "--series", os.path.relpath(series, cwd))
+    args = ("--target", os.path.relpath(vllm_ascend_tree, cwd), "--series", os.path.relpath(series, cwd))
     assert run_tool("apply", *args, cwd=cwd).returncode == 0
     status = run_tool("status", *args, cwd=cwd)
     assert status.returncode == 0 and status.stdout.strip().endswith("applied (patches/series)")
 
 
 # ------------------------------------------------------------------------------------ versions
-def test_the_series_follows_the_targets_version_not_the_running_pythons(
-        vllm_ascend_tree: Path) -> None:
+def test_the_series_follows_the_targets_version_not_the_running_pythons(vllm_ascend_tree: Path) -> None:
     """The project's real series: chosen by each target's dist-info."""
     releases = {version: path for path, (_, version) in manifest_versions().items()}
     assert PROJECT is not None and len(releases) >= 2
@@ -179,23 +177,22 @@ def test_a_version_without_a_series_is_one_line_naming_both(vllm_ascend_tree: Pa
     with_dist_info(vllm_ascend_tree, PROJECT.version)
     other = next(path for path, (_, v) in manifest_versions().items() if v != PROJECT.version)
     other_version = manifest_versions()[other][1]
-    refused = run_tool("apply", "--target", vllm_ascend_tree, "--series",
-                       PATCHES_DIR / f"vllm-ascend-v{other_version}")
+    refused = run_tool("apply", "--target", vllm_ascend_tree, "--series", PATCHES_DIR / f"vllm-ascend-v{other_version}")
     line = only_line(refused.stderr)
     assert f"is the series for vllm-ascend {other_version}" in line
     assert f"is vllm-ascend {PROJECT.version}" in line
 
 
 def test_a_post_release_uses_the_base_series_only_when_its_files_are_the_releases(
-        vllm_ascend_tree: Path, series: Path, repo: Path) -> None:
+    vllm_ascend_tree: Path, series: Path, repo: Path
+) -> None:
     post = f"{PROJECT.version}.post1"
     with_dist_info(vllm_ascend_tree, post)
     args = ("--target", vllm_ascend_tree, "--manifests", repo / "patches")
     original = snapshot(vllm_ascend_tree)
     status = run_tool("status", *args)
     assert status.returncode == 0
-    assert f"{post} uses the {PROJECT.version} series: every file it touches is identical" \
-        in status.stdout
+    assert f"{post} uses the {PROJECT.version} series: every file it touches is identical" in status.stdout
     assert run_tool("apply", *args).returncode == 0
     assert run_tool("status", *args).stdout.count("applied (patches/series)") == 1
     assert run_tool("revert", *args).returncode == 0
@@ -215,16 +212,22 @@ def test_a_post_release_uses_the_base_series_only_when_its_files_are_the_release
 
 
 def _git(root: Path, *args: str) -> None:
-    env = dict(os.environ, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1",
-               GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e.invalid", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@e.invalid")
+    env = dict(
+        os.environ,
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@e.invalid",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@e.invalid",
+    )
     subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
 
 
 def test_a_checkouts_version_is_its_release_tag_or_its_version_file(
-        vllm_ascend_tree: Path, series: Path, repo: Path, state_root: Path) -> None:
-    args = ("--target", vllm_ascend_tree, "--manifests", repo / "patches",
-            "--state-dir", state_root)
+    vllm_ascend_tree: Path, series: Path, repo: Path, state_root: Path
+) -> None:
+    args = ("--target", vllm_ascend_tree, "--manifests", repo / "patches", "--state-dir", state_root)
     version_file = vllm_ascend_tree / "vllm_ascend" / "_version.py"
     version_file.write_text(f"__version__ = version = '{PROJECT.version}'\n")
     status = run_tool("status", *args)
@@ -249,15 +252,16 @@ def test_a_checkouts_version_is_its_release_tag_or_its_version_file(
     _git(vllm_ascend_tree, "tag", "-d", "v0.0.1")
     assert run_tool("apply", *args).returncode == 0
     assert run_tool("revert", *args).returncode == 0
-    porcelain = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=vllm_ascend_tree,
-                               capture_output=True, text=True, check=True).stdout
+    porcelain = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored"], cwd=vllm_ascend_tree, capture_output=True, text=True, check=True
+    ).stdout
     assert porcelain == ""
 
 
 # ------------------------------------------------------------------------ state directory
 def test_backups_live_outside_the_target_one_directory_per_target_and_are_pruned(
-        vllm_ascend_tree: Path, series: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_ascend_tree: Path, series: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("VLLM_ASCEND_BALANCE_STATE_DIR")
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     second = tmp_path / "second"
@@ -268,8 +272,7 @@ def test_backups_live_outside_the_target_one_directory_per_target_and_are_pruned
             assert done.returncode == 0, done.stderr
     targets = sorted((tmp_path / "xdg" / "vllm-ascend-balance").iterdir())
     assert len(targets) == 2
-    assert {(t / "target").read_text().strip() for t in targets} == {str(vllm_ascend_tree),
-                                                                     str(second)}
+    assert {(t / "target").read_text().strip() for t in targets} == {str(vllm_ascend_tree), str(second)}
     for state in targets:
         names = [p.name for p in sorted((state / "backups").iterdir())]
         # The last three (among them the newest apply, whose originals `revert --force` needs).
@@ -277,14 +280,21 @@ def test_backups_live_outside_the_target_one_directory_per_target_and_are_pruned
         assert names[1].endswith("-apply")
 
 
-def test_a_state_directory_inside_the_target_or_its_work_tree_is_refused(
-        vllm_ascend_tree: Path, series: Path) -> None:
-    inside = run_tool("apply", "--target", vllm_ascend_tree, "--series", series,
-                      "--state-dir", vllm_ascend_tree / "backups")
+def test_a_state_directory_inside_the_target_or_its_work_tree_is_refused(vllm_ascend_tree: Path, series: Path) -> None:
+    inside = run_tool(
+        "apply", "--target", vllm_ascend_tree, "--series", series, "--state-dir", vllm_ascend_tree / "backups"
+    )
     assert inside.returncode == 1 and "is inside" in only_line(inside.stderr)
     _git(vllm_ascend_tree.parent, "init", "-q")  # the target is somewhere in a work tree
-    beside = run_tool("apply", "--target", vllm_ascend_tree, "--series", series,
-                      "--state-dir", vllm_ascend_tree.parent / "state-in-work-tree")
+    beside = run_tool(
+        "apply",
+        "--target",
+        vllm_ascend_tree,
+        "--series",
+        series,
+        "--state-dir",
+        vllm_ascend_tree.parent / "state-in-work-tree",
+    )
     assert beside.returncode == 1 and "is inside" in only_line(beside.stderr)
     assert not (vllm_ascend_tree / "backups").exists()
 
@@ -298,10 +308,10 @@ def _wheel(tmp_path: Path, tree: Path, version: str) -> Path:
         for path in sorted(tree.rglob("*")):
             if path.is_file():
                 archive.write(path, path.relative_to(tree).as_posix())
-        archive.writestr(f"{dist_info}/METADATA",
-                         f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n")
-        archive.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
-                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n")
+        archive.writestr(
+            f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr(f"{dist_info}/RECORD", "")
     return wheel
 
@@ -313,16 +323,34 @@ def _pip_install(wheel: Path, root: Path) -> Path:
     # --ignore-installed: write the files, never uninstall anything (this environment's own
     # vllm-ascend has the same name); over an earlier install it rewrites the wheel's files and
     # leaves any other file, which is what `pip install --force-reinstall` does in site-packages.
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--ignore-installed", "--no-compile", "--disable-pip-version-check",
-                    "--root", str(root), str(wheel)], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            "--no-compile",
+            "--disable-pip-version-check",
+            "--root",
+            str(root),
+            str(wheel),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     (site,) = {p.parent for p in root.rglob("vllm_ascend-*.dist-info")}
     return site
 
 
 @needs_release
 def test_series_files_left_by_a_reinstall_are_reported_and_cleaned(
-        vllm_ascend_tree: Path, series: Path, tmp_path: Path) -> None:
+    vllm_ascend_tree: Path, series: Path, tmp_path: Path
+) -> None:
     wheel = _wheel(tmp_path, vllm_ascend_tree, PROJECT.version)
     site = _pip_install(wheel, tmp_path / "root")
     args = ("--target", site, "--series", series)
@@ -361,14 +389,14 @@ def _without_dac_override() -> None:
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_a_read_only_directory_fails_the_write_and_leaves_the_tree_as_it_was(
-        vllm_ascend_tree: Path, series: Path, command: str) -> None:
+    vllm_ascend_tree: Path, series: Path, command: str
+) -> None:
     args = ("--target", vllm_ascend_tree, "--series", series)
     if command == "revert":
         assert run_tool("apply", *args).returncode == 0
     before = snapshot(vllm_ascend_tree)
     # Apply writes __init__.py here last; revert deletes the new files of core/ first.
-    read_only = vllm_ascend_tree / ("vllm_ascend/patch/platform" if command == "apply"
-                                    else "vllm_ascend/core")
+    read_only = vllm_ascend_tree / ("vllm_ascend/patch/platform" if command == "apply" else "vllm_ascend/core")
     read_only.chmod(0o555)
     try:
         failed = run_tool(command, *args, preexec_fn=_without_dac_override)
@@ -381,8 +409,8 @@ def test_a_read_only_directory_fails_the_write_and_leaves_the_tree_as_it_was(
 
 
 def test_a_write_failing_after_files_were_replaced_rolls_back(
-        vllm_ascend_tree: Path, series: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    vllm_ascend_tree: Path, series: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The failure comes after some renames into the tree (a disk error, say)."""
     before = snapshot(vllm_ascend_tree)
     renames = []
@@ -401,8 +429,7 @@ def test_a_write_failing_after_files_were_replaced_rolls_back(
 
 
 # ------------------------------------------------------------------------------- exit codes
-def test_status_exit_codes(vllm_ascend_tree: Path, series: Path, repo: Path,
-                           tmp_path: Path) -> None:
+def test_status_exit_codes(vllm_ascend_tree: Path, series: Path, repo: Path, tmp_path: Path) -> None:
     args = ("--target", vllm_ascend_tree, "--series", series)
     assert run_tool("status", *args).returncode == 0  # not applied
     assert run_tool("apply", *args).returncode == 0

@@ -25,15 +25,26 @@ def _pytest_seeing(version: str, tmp_path: Path) -> subprocess.CompletedProcess[
     fake = tmp_path / "fake-site"
     dist_info = fake / f"vllm_ascend-{version}.dist-info"
     dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\n"
-                                        f"Version: {version}\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")])))
     pytest_bin = Path(sys.executable).with_name("pytest")
-    return subprocess.run([str(pytest_bin), "-q", "-rs", "-p", "no:cacheprovider",
-                           f"--basetemp={tmp_path / 'nested'}", "-k", SELECT,
-                           *(str(HERE / m) for m in MODULES)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    return subprocess.run(
+        [
+            str(pytest_bin),
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={tmp_path / 'nested'}",
+            "-k",
+            SELECT,
+            *(str(HERE / m) for m in MODULES),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_a_version_without_a_manifest_skips_with_the_reason(tmp_path: Path) -> None:
@@ -41,15 +52,15 @@ def test_a_version_without_a_manifest_skips_with_the_reason(tmp_path: Path) -> N
     assert run.returncode == 0, run.stdout[-3000:]
     assert "error" not in run.stdout.splitlines()[-1]
     assert "skipped" in run.stdout.splitlines()[-1] and "passed" in run.stdout.splitlines()[-1]
-    assert "no patch manifest for the installed vllm-ascend: no manifest matches the installed " \
-           "release (vllm-ascend 0.0.1)" in run.stdout
+    assert (
+        "no patch manifest for the installed vllm-ascend: no manifest matches the installed "
+        "release (vllm-ascend 0.0.1)" in run.stdout
+    )
 
 
 @needs_release
-def test_a_post_release_finds_its_manifest_and_skips_what_needs_the_exact_files(
-        tmp_path: Path) -> None:
+def test_a_post_release_finds_its_manifest_and_skips_what_needs_the_exact_files(tmp_path: Path) -> None:
     run = _pytest_seeing(f"{PROJECT.version}.post1", tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
     assert "no patch manifest" not in run.stdout
-    assert f"installed vllm-ascend {PROJECT.version}.post1 is not exactly {PROJECT.version}" \
-        in run.stdout
+    assert f"installed vllm-ascend {PROJECT.version}.post1 is not exactly {PROJECT.version}" in run.stdout

@@ -23,10 +23,10 @@ def _wheel(path: Path, payload: str) -> Path:
     dist_info = f"balance_fake_dist-{VERSION}.dist-info"
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("balance_fake/__init__.py", payload)
-        archive.writestr(f"{dist_info}/METADATA",
-                         f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n")
-        archive.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
-                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n")
+        archive.writestr(
+            f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr(f"{dist_info}/RECORD", "")
     return path
 
@@ -44,8 +44,8 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     page = tmp_path / "simple" / NAME
     page.mkdir(parents=True)
     (page / "index.html").write_text(
-        f'<html><body><a href="{wheel.as_uri()}#sha256={_sha256(wheel)}">{WHEEL}</a>'
-        "</body></html>\n")
+        f'<html><body><a href="{wheel.as_uri()}#sha256={_sha256(wheel)}">{WHEEL}</a></body></html>\n'
+    )
     for name in list(os.environ):
         if name.startswith("PIP_"):
             monkeypatch.delenv(name)
@@ -55,8 +55,7 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return wheel
 
 
-def test_the_index_hash_is_read_and_a_fresh_download_checked_against_it(
-        index: Path, tmp_path: Path) -> None:
+def test_the_index_hash_is_read_and_a_fresh_download_checked_against_it(index: Path, tmp_path: Path) -> None:
     assert index_sha256(REQUIREMENT) == _sha256(index)
     got = download_wheel(REQUIREMENT, tmp_path / "cache")
     assert got == tmp_path / "cache" / WHEEL and got.read_bytes() == index.read_bytes()
@@ -83,14 +82,14 @@ def test_a_download_that_is_not_the_indexed_file_is_refused(index: Path, tmp_pat
 
 
 def test_a_downloaded_wheel_is_checked_again_before_it_is_kept(
-        index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Should pip fetch another file than the one whose hash the index gave (the index changed
     between the two pip runs, say), the download is refused and not kept."""
     import export_patches
 
     monkeypatch.setattr(export_patches, "index_sha256", lambda requirement: "0" * 64)
-    with pytest.raises(ExportError, match=f"has sha256 {_sha256(index)}, but the package index "
-                                          f"publishes {'0' * 64}"):
+    with pytest.raises(ExportError, match=f"has sha256 {_sha256(index)}, but the package index publishes {'0' * 64}"):
         download_wheel(REQUIREMENT, tmp_path / "cache")
     assert list(tmp_path.glob("cache/**/*.whl")) == []
 

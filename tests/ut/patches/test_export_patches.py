@@ -50,8 +50,10 @@ def _module_of(path: str) -> str:
 def _imports_wiring(test_file: bytes, wiring_target: str) -> bool:
     """The file imports the module at wiring_target (under any name)."""
     package, _, name = _module_of(wiring_target).rpartition(".")
-    return any(isinstance(node, ast.ImportFrom) and node.module == package and any(a.name == name for a in node.names)
-               for node in ast.walk(ast.parse(test_file)))
+    return any(
+        isinstance(node, ast.ImportFrom) and node.module == package and any(a.name == name for a in node.names)
+        for node in ast.walk(ast.parse(test_file))
+    )
 
 
 @needs_release
@@ -72,8 +74,7 @@ def test_the_project_manifest_classifies_every_file_in_its_scope(path: Path) -> 
 
 
 @pytest.mark.parametrize("path", PROJECT_MANIFESTS, ids=lambda p: p.stem)
-def test_the_project_tests_import_what_the_series_adds_and_keep_vllm_ascends_name(
-        path: Path) -> None:
+def test_the_project_tests_import_what_the_series_adds_and_keep_vllm_ascends_name(path: Path) -> None:
     """Rewritten tests import only modules the series exports (never vllm-ascend's copying
     module unless the series replaces it), and strings naming that module stay as written."""
     manifest = load_manifest(path)
@@ -93,13 +94,15 @@ def test_the_project_tests_import_what_the_series_adds_and_keep_vllm_ascends_nam
                     for alias in node.names:
                         assert f"{node.module}.{alias.name}" in exported_modules, (target, alias.name)
     assert stand_ins > 0  # the stand-in of test_engine_route.py is among them
-    route = next(patch.files["tests/ut/core/test_engine_route.py"] for patch in patches
-                 if "tests/ut/core/test_engine_route.py" in patch.files)
+    route = next(
+        patch.files["tests/ut/core/test_engine_route.py"]
+        for patch in patches
+        if "tests/ut/core/test_engine_route.py" in patch.files
+    )
     assert _imports_wiring(route, wiring_target(manifest))
 
 
-def test_files_map_to_vllm_ascend_paths_and_only_tests_are_rewritten(
-        repo: Path, manifest: Manifest) -> None:
+def test_files_map_to_vllm_ascend_paths_and_only_tests_are_rewritten(repo: Path, manifest: Manifest) -> None:
     feature, tests = resolve(manifest, repo)
     assert sorted(feature.files) == sorted(["vllm_ascend/core/balance_example.py", WIRING_TARGET])
     # Sources are exported byte for byte: the docstring keeps the pip-install name.
@@ -110,13 +113,15 @@ def test_files_map_to_vllm_ascend_paths_and_only_tests_are_rewritten(
     assert _imports_wiring(rewritten, WIRING_TARGET)
 
 
-def test_a_form_the_rewrites_miss_is_refused_by_file_and_line(repo: Path,
-                                                              manifest: Manifest) -> None:
+def test_a_form_the_rewrites_miss_is_refused_by_file_and_line(repo: Path, manifest: Manifest) -> None:
     feature, tests = manifest.patches
     no_rewrites = dataclasses.replace(tests, rewrites=(), forbid=("vllm_ascend_balance",))
     bare = dataclasses.replace(manifest, patches=(feature, no_rewrites))
-    with pytest.raises(ExportError, match=r"tests/ut/engine/test_example.py:1 still names "
-                                          r"'vllm_ascend_balance'"):
+    with pytest.raises(
+        ExportError,
+        match=r"tests/ut/engine/test_example.py:1 still names "
+        r"'vllm_ascend_balance'",
+    ):
         resolve(bare, repo)
     # Whole identifiers only: a longer name that contains it is not a use of the package.
     (repo / "tests/ut/engine/test_example.py").write_text("KEY = '_vllm_ascend_balance_x'\n")
@@ -127,12 +132,14 @@ def test_a_form_the_rewrites_miss_is_refused_by_file_and_line(repo: Path,
 def test_the_default_manifest_is_the_installed_releases(tmp_path: Path) -> None:
     assert manifest_versions()[default_manifest()] == (PROJECT.distribution, PROJECT.version)
     other = tmp_path / "vllm-ascend-v0.0.1.toml"
-    other.write_text(PROJECT.path.read_text().replace(
-        f'version = "{PROJECT.version}"', 'version = "0.0.1"', 1))
+    other.write_text(PROJECT.path.read_text().replace(f'version = "{PROJECT.version}"', 'version = "0.0.1"', 1))
     installed = metadata.version(PROJECT.distribution)  # the release, or a post-release of it
-    with pytest.raises(ExportError, match=r"no manifest matches the installed release "
-                                          rf"\(vllm-ascend {installed}\)(.|\n)*"
-                                          r"vllm-ascend-v0.0.1.toml \(vllm-ascend 0.0.1\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"no manifest matches the installed release "
+        rf"\(vllm-ascend {installed}\)(.|\n)*"
+        r"vllm-ascend-v0.0.1.toml \(vllm-ascend 0.0.1\)",
+    ):
         default_manifest(tmp_path)
     shutil.copy(PROJECT.path, tmp_path / PROJECT.path.name)
     assert default_manifest(tmp_path) == tmp_path / PROJECT.path.name
@@ -143,8 +150,11 @@ def test_a_post_release_or_local_build_follows_its_release_and_nothing_else_does
     assert base_release("0.23.0.post1") == base_release("0.23.0+cpu") == "0.23.0"
     assert base_release("v0.18.0.post2") == "0.18.0"
     assert base_release("0.23.0rc1") is None and base_release("0.24.0.dev3+g1234") is None
-    available = {Path("a.toml"): ("vllm-ascend", "0.18.0"), Path("b.toml"): ("vllm-ascend", "0.23.0"),
-                 Path("c.toml"): ("other", "0.23.0")}
+    available = {
+        Path("a.toml"): ("vllm-ascend", "0.18.0"),
+        Path("b.toml"): ("vllm-ascend", "0.23.0"),
+        Path("c.toml"): ("other", "0.23.0"),
+    }
     assert manifests_for("0.23.0", "vllm-ascend", available) == ([Path("b.toml")], False)
     assert manifests_for("0.23.0.post1", "vllm-ascend", available) == ([Path("b.toml")], True)
     assert manifests_for("0.23.1", "vllm-ascend", available) == ([], False)
@@ -165,7 +175,8 @@ def test_two_files_mapping_to_one_target_are_refused(repo: Path, manifest: Manif
 
 
 def test_the_series_is_reproducible_and_git_formatted(
-        repo: Path, manifest: Manifest, pristine: PristineSource, tmp_path: Path) -> None:
+    repo: Path, manifest: Manifest, pristine: PristineSource, tmp_path: Path
+) -> None:
     patches = resolve(manifest, repo)
     first = generate(manifest, patches, pristine, tmp_path / "a")
     second = generate(manifest, patches, pristine, tmp_path / "b")
@@ -193,57 +204,59 @@ def test_the_series_is_reproducible_and_git_formatted(
     assert f"index {blob}.." in text
 
 
-def test_check_passes_on_a_current_series(repo: Path, manifest: Manifest,
-                                          pristine: PristineSource, series: Path) -> None:
+def test_check_passes_on_a_current_series(
+    repo: Path, manifest: Manifest, pristine: PristineSource, series: Path
+) -> None:
     assert check(manifest, repo, pristine) == []
 
 
-def test_check_names_the_stale_patch_and_file(repo: Path, manifest: Manifest,
-                                              pristine: PristineSource, series: Path) -> None:
+def test_check_names_the_stale_patch_and_file(
+    repo: Path, manifest: Manifest, pristine: PristineSource, series: Path
+) -> None:
     (repo / "vllm_ascend/core/balance_example.py").write_text('"""Example."""\nVALUE = 2\n')
     problems = check(manifest, repo, pristine)
     assert "stale: patches/series/0001-Feature-Example.patch" in problems
-    assert ("after git am, vllm_ascend/core/balance_example.py differs from "
-            "vllm_ascend/core/balance_example.py") in problems
+    assert (
+        "after git am, vllm_ascend/core/balance_example.py differs from vllm_ascend/core/balance_example.py"
+    ) in problems
 
 
-def test_check_reports_a_series_that_does_not_apply(repo: Path, manifest: Manifest,
-                                                    pristine: PristineSource,
-                                                    series: Path) -> None:
+def test_check_reports_a_series_that_does_not_apply(
+    repo: Path, manifest: Manifest, pristine: PristineSource, series: Path
+) -> None:
     patch = series / "0001-Feature-Example.patch"
     text = patch.read_text()
     # A context line of the __init__ hunk: the committed series no longer matches pristine.
     start = text.index(f"diff --git a/{INIT}")
     hunk = text[start:]
     context = next(line for line in hunk.splitlines()[5:] if line.startswith(" ") and line.strip())
-    patch.write_text(text[:start] + hunk.replace(f"\n{context}\n",
-                                                 f"\n {context.strip()}  # changed\n", 1))
+    patch.write_text(text[:start] + hunk.replace(f"\n{context}\n", f"\n {context.strip()}  # changed\n", 1))
     problems = check(manifest, repo, pristine)
-    assert any("does not apply" in p and "vllm_ascend/patch/platform/__init__.py" in p
-               for p in problems), problems
+    assert any("does not apply" in p and "vllm_ascend/patch/platform/__init__.py" in p for p in problems), problems
 
 
-def test_check_reports_missing_and_extra_patch_files(repo: Path, manifest: Manifest,
-                                                     pristine: PristineSource,
-                                                     series: Path) -> None:
+def test_check_reports_missing_and_extra_patch_files(
+    repo: Path, manifest: Manifest, pristine: PristineSource, series: Path
+) -> None:
     (series / "0002-Test-Example-tests.patch").rename(series / "0002-old-name.patch")
     problems = check(manifest, repo, pristine)
     assert "missing from patches/series: 0002-Test-Example-tests.patch" in problems
     assert "not produced by the manifest any more: patches/series/0002-old-name.patch" in problems
 
 
-def test_an_edit_whose_anchor_moved_upstream_is_refused(
-        repo: Path, pristine: PristineSource, tmp_path: Path) -> None:
+def test_an_edit_whose_anchor_moved_upstream_is_refused(repo: Path, pristine: PristineSource, tmp_path: Path) -> None:
     toml = repo / "patches" / "series.toml"
-    toml.write_text(toml.read_text().replace("import vllm_ascend.patch.platform.patch_balance_"
-                                             "schedule  # noqa", "import moved  # noqa", 1))
+    toml.write_text(
+        toml.read_text().replace(
+            "import vllm_ascend.patch.platform.patch_balance_schedule  # noqa", "import moved  # noqa", 1
+        )
+    )
     manifest = load_manifest(toml)
     with pytest.raises(ExportError, match="occurs 0 times"):
         generate(manifest, resolve(manifest, repo), pristine, tmp_path / "gen")
 
 
-def test_installed_pristine_source_ignores_files_other_distributions_added(
-        pristine: PristineSource) -> None:
+def test_installed_pristine_source_ignores_files_other_distributions_added(pristine: PristineSource) -> None:
     # This project's pip install puts balance_scheduler.py into vllm_ascend/core; it is not
     # vllm-ascend's, so the pristine release has no such file.
     assert pristine.read("vllm_ascend/core/balance_scheduler.py") is None
@@ -265,10 +278,19 @@ def test_a_wheel_is_read_when_given(tmp_path: Path) -> None:
 
 def test_cli_check_exit_status(repo: Path, series: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "export_patches.py"),
-                               "--root", str(repo), "--manifest",
-                               str(repo / "patches" / "series.toml"), *args],
-                              capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                str(REPO_ROOT / "scripts" / "export_patches.py"),
+                "--root",
+                str(repo),
+                "--manifest",
+                str(repo / "patches" / "series.toml"),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+        )
 
     current = run("--check")
     assert current.returncode == 0, current.stderr
