@@ -26,8 +26,11 @@ from dpsim.costmodel import CostProfile, with_values
 
 KNOBS = ("prefill_ms_per_token", "prefill_step_overhead_ms")
 TARGET_SETS = (("tpot_mean_ms", "ttft_mean_ms"), ("tpot_mean_ms",))
-# Targets hit within this relative error end the search.
+# Targets hit within this relative error end the search. The schedule moves a little with the
+# costs (which steps a request lands in), so the figures are not exactly linear and the secant
+# can hover within a few per cent: after MAX_ROUNDS the best point is taken if within ACCEPTABLE.
 TOLERANCE = 0.01
+ACCEPTABLE = 0.03
 MAX_ROUNDS = 6
 
 RunOff = Callable[[list[CostProfile]], list[dict[str, Any]]]
@@ -96,15 +99,23 @@ def calibrate(base: CostProfile, targets: dict[str, float], keys: tuple[str, ...
     for point in points:
         log(_line(base, knob, point, targets))
     solve = _solve_two if len(keys) == 2 else _solve_one
+    def error(point: Point) -> float:
+        return max(abs(point[key] / targets[key] - 1) for key in keys)
+
     for _ in range(MAX_ROUNDS):
         scale, value = solve(points[-2], points[-1], targets)
         (summary,) = run_off([_profile(base, knob, scale, value)])
         points.append(Point(scale, value, summary))
         log(_line(base, knob, points[-1], targets))
-        if all(abs(points[-1][key] / targets[key] - 1) < TOLERANCE for key in keys):
+        if error(points[-1]) < TOLERANCE:
             return _profile(base, knob, scale, value), summary
+    best = min(points, key=error)
+    if error(best) < ACCEPTABLE:
+        log(f"  no point within {TOLERANCE:.0%} after {MAX_ROUNDS} rounds: taking the best, "
+            f"within {error(best):.1%}")
+        return _profile(base, knob, best.scale, best.knob), best.summary
     raise ValueError(f"no convergence within {MAX_ROUNDS} rounds "
-                     f"(last: {_line(base, knob, points[-1], targets)})")
+                     f"(best: {_line(base, knob, best, targets)})")
 
 
 def _line(base: CostProfile, knob: str, point: Point, targets: dict[str, float]) -> str:

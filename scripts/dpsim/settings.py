@@ -55,7 +55,7 @@ class Arm:
 
     @property
     def label(self) -> str:
-        parts = ["balance" if self.balance else ""] + (
+        parts = ["balance on" if self.balance else ""] + (
             [f"interval {self.interval}"] if self.interval > 1 else [])
         return " + ".join(p for p in parts if p) or "balance off"
 

@@ -53,7 +53,7 @@ def test_compare_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert data["off"]["gated_rank_steps"] == 0
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
     out_text = capsys.readouterr().out
-    assert "output tok/s" in out_text and "balance off" in out_text and "balance" in out_text
+    assert "output tok/s" in out_text and "balance off" in out_text and "balance on" in out_text
     assert "paper" not in out_text  # the paper's figures are for the preset's workload only
     assert "wall time" in out_text
 
@@ -70,7 +70,7 @@ def test_compare_policies_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert data["interval-4"]["deferred_rank_steps"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
     header = capsys.readouterr().out.splitlines()[1]
-    for label in ("balance off", "balance", "interval 2", "interval 4", "balance + interval 2"):
+    for label in ("balance off", "balance on", "interval 2", "interval 4", "balance on + interval 2"):
         assert label in header
 
 
