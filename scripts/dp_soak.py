@@ -51,16 +51,30 @@ def _configs(model_dir: Path, dp: int) -> dict[str, Any]:
     from offline_vllm import make_vllm_config
     from vllm.config import KVTransferConfig
 
-    kv = KVTransferConfig(kv_connector="FakeRemoteKVConnector", kv_connector_module_path="fake_remote_kv",
-                          kv_role="kv_both", kv_connector_extra_config={"is_async": True})
+    kv = KVTransferConfig(
+        kv_connector="FakeRemoteKVConnector",
+        kv_connector_module_path="fake_remote_kv",
+        kv_role="kv_both",
+        kv_connector_extra_config={"is_async": True},
+    )
     common = {"max_num_seqs": CAP, "max_num_batched_tokens": 256, "dp_size": dp}
-    return {"plain": make_vllm_config(model_dir, **common),
-            "kv": make_vllm_config(model_dir, kv_transfer_config=kv, **common)}
+    return {
+        "plain": make_vllm_config(model_dir, **common),
+        "kv": make_vllm_config(model_dir, kv_transfer_config=kv, **common),
+    }
 
 
-def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
-             model_dir: Path | None = None, start_method: str = "fork",
-             stock_ranks: tuple[int, ...] = (), stall_rank: int | None = None) -> dict[str, Any]:
+def run_soak(
+    dp: int,
+    requests: int,
+    seed: int,
+    scenario: str,
+    timeout: float,
+    model_dir: Path | None = None,
+    start_method: str = "fork",
+    stock_ranks: tuple[int, ...] = (),
+    stall_rank: int | None = None,
+) -> dict[str, Any]:
     """Run the soak; return the summary (``ok`` False and ``problems`` listed on failure).
 
     ``stock_ranks``: ranks that run vLLM's stock engine class (the mismatch run).
@@ -72,7 +86,6 @@ def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
     import multiprocessing
 
     from offline_vllm import write_tiny_model
-
     from soak.rank import rank_main
 
     if dp < 2:
@@ -89,11 +102,25 @@ def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
         context = multiprocessing.get_context(start_method)
         port = _free_port()
         paths = [Path(scratch) / f"rank{r}.json" for r in range(dp)]
-        processes = [context.Process(
-            target=rank_main, name=f"dp-soak-rank{r}",
-            args=(r, dp, port, configs, scenarios, requests, seed, str(paths[r]), r in stock_ranks,
-                  r == stall_rank))
-            for r in range(dp)]
+        processes = [
+            context.Process(
+                target=rank_main,
+                name=f"dp-soak-rank{r}",
+                args=(
+                    r,
+                    dp,
+                    port,
+                    configs,
+                    scenarios,
+                    requests,
+                    seed,
+                    str(paths[r]),
+                    r in stock_ranks,
+                    r == stall_rank,
+                ),
+            )
+            for r in range(dp)
+        ]
         launched = time.monotonic()
         for process in processes:
             process.start()
@@ -118,8 +145,7 @@ def run_soak(dp: int, requests: int, seed: int, scenario: str, timeout: float,
     return summary
 
 
-def summarize_mismatch(results: list[dict[str, Any] | None], stock_ranks: list[int],
-                       hung: list[str]) -> dict[str, Any]:
+def summarize_mismatch(results: list[dict[str, Any] | None], stock_ranks: list[int], hung: list[str]) -> dict[str, Any]:
     """A group with stock ranks: every balanced rank must be refused by the agreement, and every
     stock rank must fail (at its first collective, when the balanced ranks are gone)."""
     problems: list[str] = [f"{name} still running at the timeout (killed)" for name in hung]
@@ -140,15 +166,21 @@ def summarize_mismatch(results: list[dict[str, Any] | None], stock_ranks: list[i
     balanced_ended = [at for rank, at in ended.items() if rank not in stock_ranks]
     stock_ended = [at for rank, at in ended.items() if rank in stock_ranks]
     refused = len(refusals) == len(results) - len(stock_ranks)
-    return {"stock_ranks": stock_ranks, "refused": refused, "refusals": refusals,
-            "seconds_to_last_exit": None,
-            "stock_failed_after_s": round(max(stock_ended) - max(balanced_ended), 2)
-            if stock_ended and balanced_ended else None,
-            "hung": bool(hung), "ok": not problems, "problems": problems}
+    return {
+        "stock_ranks": stock_ranks,
+        "refused": refused,
+        "refusals": refusals,
+        "seconds_to_last_exit": None,
+        "stock_failed_after_s": round(max(stock_ended) - max(balanced_ended), 2)
+        if stock_ended and balanced_ended
+        else None,
+        "hung": bool(hung),
+        "ok": not problems,
+        "problems": problems,
+    }
 
 
-def summarize(results: list[dict[str, Any] | None], scenarios: list[str],
-              hung: list[str]) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any] | None], scenarios: list[str], hung: list[str]) -> dict[str, Any]:
     problems: list[str] = [f"{name} still running at the timeout (killed)" for name in hung]
     submitted: list[str] = []
     finished: list[str] = []
@@ -168,14 +200,13 @@ def summarize(results: list[dict[str, Any] | None], scenarios: list[str],
                 submitted += data["submitted"]
                 finished += data["finished"]
                 gathers[rank] += data["gathers"]
-                problems += [f"{scenario} rank {rank}: gate violation {v}"
-                             for v in data["gate_violations"]]
+                problems += [f"{scenario} rank {rank}: gate violation {v}" for v in data["gate_violations"]]
                 if data["own_slot_mismatches"]:
-                    problems.append(f"{scenario} rank {rank}: own gathered slot != len(running) "
-                                    f"{data['own_slot_mismatches']} times")
+                    problems.append(
+                        f"{scenario} rank {rank}: own gathered slot != len(running) {data['own_slot_mismatches']} times"
+                    )
                 if data["left_in_scheduler"]:
-                    problems.append(f"{scenario} rank {rank}: {data['left_in_scheduler']} "
-                                    "requests left unfinished")
+                    problems.append(f"{scenario} rank {rank}: {data['left_in_scheduler']} requests left unfinished")
             if len({d["gathers"] for d in ranks}) != 1:
                 problems.append(f"{scenario}: unequal gathers {[d['gathers'] for d in ranks]}")
             if len({d["digest"] for d in ranks}) != 1:
@@ -187,7 +218,8 @@ def summarize(results: list[dict[str, Any] | None], scenarios: list[str],
                 skew = max([skew] + [max(s) - min(s) for s in zip(*waves)])
             per_scenario[scenario] = {
                 "requests": sum(len(d["submitted"]) for d in ranks),
-                "waves": len(waves[0]), "gathers": ranks[0]["gathers"],
+                "waves": len(waves[0]),
+                "gathers": ranks[0]["gathers"],
                 "gated_steps_per_rank": [d["balance_gated_steps"] for d in ranks],
                 "dummy_steps_per_rank": [d["dummy_steps"] for d in ranks],
             }
@@ -196,10 +228,17 @@ def summarize(results: list[dict[str, Any] | None], scenarios: list[str],
             problems.append(f"{len(lost)} requests never finished: {lost[:10]}")
         if len(finished) != len(set(finished)) or set(finished) - set(submitted):
             problems.append("requests finished twice or without being submitted")
-    return {"submitted": len(submitted), "finished": len(set(finished) & set(submitted)),
-            "gathers_per_rank": gathers, "max_step_skew": skew, "hung": bool(hung),
-            "seconds": None, "ok": not problems, "scenarios": per_scenario,
-            "problems": problems}
+    return {
+        "submitted": len(submitted),
+        "finished": len(set(finished) & set(submitted)),
+        "gathers_per_rank": gathers,
+        "max_step_skew": skew,
+        "hung": bool(hung),
+        "seconds": None,
+        "ok": not problems,
+        "scenarios": per_scenario,
+        "problems": problems,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,17 +247,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=40, help="requests over all scenarios")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scenario", default="all", choices=[*SCENARIOS, "all"])
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="watchdog: seconds until unfinished ranks count as hung")
-    parser.add_argument("--start-method", default="fork", choices=["fork", "spawn"],
-                        help="how rank processes start (spawn: each imports vLLM itself)")
-    parser.add_argument("--stock-ranks", default="",
-                        help="comma-separated ranks running stock vLLM (e.g. 1,3): the start-up "
-                             "agreement must refuse the group, no process may hang")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="watchdog: seconds until unfinished ranks count as hung"
+    )
+    parser.add_argument(
+        "--start-method",
+        default="fork",
+        choices=["fork", "spawn"],
+        help="how rank processes start (spawn: each imports vLLM itself)",
+    )
+    parser.add_argument(
+        "--stock-ranks",
+        default="",
+        help="comma-separated ranks running stock vLLM (e.g. 1,3): the start-up "
+        "agreement must refuse the group, no process may hang",
+    )
     args = parser.parse_args(argv)
     stock_ranks = tuple(int(rank) for rank in args.stock_ranks.split(",") if rank.strip())
-    summary = run_soak(args.dp, args.requests, args.seed, args.scenario, args.timeout,
-                       start_method=args.start_method, stock_ranks=stock_ranks)
+    summary = run_soak(
+        args.dp,
+        args.requests,
+        args.seed,
+        args.scenario,
+        args.timeout,
+        start_method=args.start_method,
+        stock_ranks=stock_ranks,
+    )
     print(json.dumps(summary))
     return 0 if summary["ok"] else 1
 

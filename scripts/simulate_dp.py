@@ -86,87 +86,127 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", default="rfc-dsv31",
-                        help=f"base settings; one of: {', '.join(PRESETS)}")
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--preset", default="rfc-dsv31", help=f"base settings; one of: {', '.join(PRESETS)}")
     parser.add_argument("--profile", type=Path, help="JSON profile (default: the preset's)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--compare", action="store_true", help="run balance off and on")
-    mode.add_argument("--compare-policies", action="store_true",
-                      help="run " + ", ".join(a.label for a in POLICIES) + " (vLLM's "
-                           "--prefill-schedule-interval reproduced on the step counter)")
-    mode.add_argument("--sweep", metavar="PARAM=v1,v2,...",
-                      help="balance off and on for each value of one profile or settings "
-                           "parameter (e.g. acceptance_rate_spread=0,0.1,0.2)")
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="with --sweep: fit the profile's costs on the preset's baseline row "
-                             "again for each value before predicting balance on (the "
-                             "sensitivity of the prediction, not of both rows)")
-    mode.add_argument("--calibrate", type=Path, metavar="OUT.json",
-                      help="fit the profile's step costs on the preset's published baseline "
-                           "(balance-off) row only and write the calibrated profile here")
-    mode.add_argument("--balance", choices=("off", "on"), default="on",
-                      help="single run with balance scheduling off or on")
-    parser.add_argument("--calibrate-knob", choices=("prefill_ms_per_token",
-                                                     "prefill_step_overhead_ms"),
-                        help="with --calibrate: the prefill cost to fit (default: the preset's)")
-    parser.add_argument("--interval", type=_positive_int, default=1,
-                        help="single run: vLLM's --prefill-schedule-interval (1: off)")
-    parser.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
-                        help="override one profile or settings parameter (repeatable)")
-    parser.add_argument("--gate", choices=GATES, help="gate rule when balance is on: 'cap' "
-                        "(some rank at max_num_seqs) or 'cap-1' (within one of it)")
+    mode.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="run " + ", ".join(a.label for a in POLICIES) + " (vLLM's "
+        "--prefill-schedule-interval reproduced on the step counter)",
+    )
+    mode.add_argument(
+        "--sweep",
+        metavar="PARAM=v1,v2,...",
+        help="balance off and on for each value of one profile or settings "
+        "parameter (e.g. acceptance_rate_spread=0,0.1,0.2)",
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --sweep: fit the profile's costs on the preset's baseline row "
+        "again for each value before predicting balance on (the "
+        "sensitivity of the prediction, not of both rows)",
+    )
+    mode.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="OUT.json",
+        help="fit the profile's step costs on the preset's published baseline "
+        "(balance-off) row only and write the calibrated profile here",
+    )
+    mode.add_argument(
+        "--balance", choices=("off", "on"), default="on", help="single run with balance scheduling off or on"
+    )
+    parser.add_argument(
+        "--calibrate-knob",
+        choices=("prefill_ms_per_token", "prefill_step_overhead_ms"),
+        help="with --calibrate: the prefill cost to fit (default: the preset's)",
+    )
+    parser.add_argument(
+        "--interval", type=_positive_int, default=1, help="single run: vLLM's --prefill-schedule-interval (1: off)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PARAM=VALUE",
+        help="override one profile or settings parameter (repeatable)",
+    )
+    parser.add_argument(
+        "--gate",
+        choices=GATES,
+        help="gate rule when balance is on: 'cap' (some rank at max_num_seqs) or 'cap-1' (within one of it)",
+    )
     group = parser.add_argument_group("deployment (overrides the preset)")
     group.add_argument("--dp-size", type=_positive_int)
     group.add_argument("--max-num-seqs", type=_positive_int, help="per-rank cap")
-    group.add_argument("--max-num-batched-tokens", type=_positive_int,
-                       help="per-rank token budget per step, shared by prefill chunks and "
-                            "decodes (k+1 tokens each under MTP)")
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        help="per-rank token budget per step, shared by prefill chunks and decodes (k+1 tokens each under MTP)",
+    )
     group = parser.add_argument_group("workload (overrides the preset)")
     group.add_argument("--num-requests", type=_positive_int)
-    group.add_argument("--concurrency", type=_positive_int,
-                       help="closed loop: requests in flight (caps Poisson arrivals too)")
-    group.add_argument("--no-concurrency-limit", action="store_true",
-                       help="Poisson arrivals without a concurrency cap")
+    group.add_argument(
+        "--concurrency", type=_positive_int, help="closed loop: requests in flight (caps Poisson arrivals too)"
+    )
+    group.add_argument("--no-concurrency-limit", action="store_true", help="Poisson arrivals without a concurrency cap")
     group.add_argument("--request-rate", type=float, help="Poisson arrivals, requests/s")
     group.add_argument("--prompt-tokens", type=_positive_int)
     group.add_argument("--output-tokens", type=_positive_int)
-    group.add_argument("--prompt-spread", type=float,
-                       help="lengths uniform in [L(1-s), L(1+s)] (vllm bench's range ratio)")
+    group.add_argument(
+        "--prompt-spread", type=float, help="lengths uniform in [L(1-s), L(1+s)] (vllm bench's range ratio)"
+    )
     group.add_argument("--output-spread", type=float, help="as --prompt-spread, for outputs")
-    group.add_argument("--jitter-ms", type=float,
-                       help="each send delayed by uniform [0, J] ms (client-side asymmetry)")
-    group.add_argument("--router", choices=ROUTERS,
-                       help="'lb' = vLLM's DP load balancer (4*waiting+running), "
-                            "'round-robin' ignores load")
+    group.add_argument("--jitter-ms", type=float, help="each send delayed by uniform [0, J] ms (client-side asymmetry)")
+    group.add_argument(
+        "--router",
+        choices=ROUTERS,
+        help="'lb' = vLLM's DP load balancer (4*waiting+running), 'round-robin' ignores load",
+    )
     group.add_argument("--seed", type=int)
     parser.add_argument("--json", type=Path, help="write {arm: {...}} (sweep: a list) here")
     parser.add_argument("--plot", type=Path, help="write the comparison figure (PNG) here")
-    parser.add_argument("--plot-start-s", type=float,
-                        help="start of the running-count panels (default: a quarter into the run)")
-    parser.add_argument("--plot-window-s", type=float, default=60.0,
-                        help="time span of the running-count panels (0: to the end)")
-    parser.add_argument("--jobs", type=_positive_int, default=2,
-                        help="processes for the runs of a comparison (they are independent)")
+    parser.add_argument(
+        "--plot-start-s", type=float, help="start of the running-count panels (default: a quarter into the run)"
+    )
+    parser.add_argument(
+        "--plot-window-s", type=float, default=60.0, help="time span of the running-count panels (0: to the end)"
+    )
+    parser.add_argument(
+        "--jobs", type=_positive_int, default=2, help="processes for the runs of a comparison (they are independent)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
 
-def resolve(parser: argparse.ArgumentParser,
-            args: argparse.Namespace) -> tuple[Preset, SimSettings, CostProfile]:
+def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Preset, SimSettings, CostProfile]:
     """Preset + overrides + profile, or exit with a clear message (status 2)."""
     if args.preset not in PRESETS:
         parser.error(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
     preset = PRESETS[args.preset]
     settings = with_overrides(
-        preset.settings, dp_size=args.dp_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_requests=args.num_requests,
-        concurrency=args.concurrency, request_rate=args.request_rate,
-        prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-        prompt_spread=args.prompt_spread, output_spread=args.output_spread,
-        jitter_ms=args.jitter_ms, router=args.router, profile=args.profile, gate=args.gate,
-        seed=args.seed)
+        preset.settings,
+        dp_size=args.dp_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        prompt_spread=args.prompt_spread,
+        output_spread=args.output_spread,
+        jitter_ms=args.jitter_ms,
+        router=args.router,
+        profile=args.profile,
+        gate=args.gate,
+        seed=args.seed,
+    )
     if args.no_concurrency_limit:
         if args.concurrency is not None:
             parser.error("--concurrency and --no-concurrency-limit contradict each other")
@@ -176,8 +216,7 @@ def resolve(parser: argparse.ArgumentParser,
         parser.error("; ".join(found))
     try:
         profile = load_profile(settings.profile)
-        settings, profile = apply(settings, profile,
-                                  dict(parse_assignment(text) for text in args.set))
+        settings, profile = apply(settings, profile, dict(parse_assignment(text) for text in args.set))
     except (ProfileError, ParamError) as exc:
         parser.error(str(exc))
     return preset, settings, profile
@@ -193,28 +232,37 @@ class Job:
 
 def _run_job(job: Job, model_dir: Path, show_progress: bool, position: int) -> Any:
     import torch
+    from dpsim.simulation import run
     from tqdm import tqdm
 
-    from dpsim.simulation import run
-
     torch.set_num_threads(1)
-    with tqdm(total=job.settings.num_requests, desc=job.key, unit="req", position=position,
-              file=sys.stderr, disable=not show_progress, leave=True, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=job.settings.num_requests,
+        desc=job.key,
+        unit="req",
+        position=position,
+        file=sys.stderr,
+        disable=not show_progress,
+        leave=True,
+        dynamic_ncols=True,
+    ) as bar:
         return run(job.settings, job.profile, job.arm, model_dir=model_dir, progress=bar.update)
 
 
 def run_jobs(jobs: list[Job], processes: int, show_progress: bool) -> dict[str, Any]:
     from dpsim.cluster import prepare_model_dir
 
-    model_dir = prepare_model_dir(Path(tempfile.mkdtemp(prefix="dpsim-model-")),
-                                  max(job.settings.max_model_len for job in jobs))
+    model_dir = prepare_model_dir(
+        Path(tempfile.mkdtemp(prefix="dpsim-model-")), max(job.settings.max_model_len for job in jobs)
+    )
     if processes == 1 or len(jobs) == 1:
         return {job.key: _run_job(job, model_dir, show_progress, 0) for job in jobs}
     # fork: the children inherit the imported vLLM instead of importing it again.
-    with ProcessPoolExecutor(max_workers=min(processes, len(jobs)),
-                             mp_context=get_context("fork")) as pool:
-        futures = [pool.submit(_run_job, job, model_dir, show_progress, position % processes)
-                   for position, job in enumerate(jobs)]
+    with ProcessPoolExecutor(max_workers=min(processes, len(jobs)), mp_context=get_context("fork")) as pool:
+        futures = [
+            pool.submit(_run_job, job, model_dir, show_progress, position % processes)
+            for position, job in enumerate(jobs)
+        ]
         return {job.key: future.result() for job, future in zip(jobs, futures)}
 
 
@@ -232,15 +280,21 @@ def _fmt(fmt: str, value: Any) -> str:
 
 def same_workload(settings: SimSettings, preset: Preset) -> bool:
     """Whether the paper's figures are comparable: only profile, seed or gate rule changed."""
-    ignored = {"profile": preset.settings.profile, "seed": preset.settings.seed,
-               "gate": preset.settings.gate}
+    ignored = {"profile": preset.settings.profile, "seed": preset.settings.seed, "gate": preset.settings.gate}
     return dataclasses.replace(settings, **ignored) == preset.settings
 
 
 # What the benchmark client did: a published row can be calibrated on with any deployment
 # assumption (DP size, router...), never with another workload.
-WORKLOAD_FIELDS = ("num_requests", "concurrency", "request_rate", "prompt_tokens",
-                   "output_tokens", "prompt_spread", "output_spread")
+WORKLOAD_FIELDS = (
+    "num_requests",
+    "concurrency",
+    "request_rate",
+    "prompt_tokens",
+    "output_tokens",
+    "prompt_spread",
+    "output_spread",
+)
 
 
 def same_client_workload(settings: SimSettings, preset: Preset) -> bool:
@@ -249,17 +303,14 @@ def same_client_workload(settings: SimSettings, preset: Preset) -> bool:
 
 def _layout(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(r, widths))) for r in rows]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
 
-def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: Preset,
-                 with_paper: bool = True) -> str:
+def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: Preset, with_paper: bool = True) -> str:
     """Arms side by side (changes vs the first arm), then the paper's figures when comparable."""
-    paper = {a.name: preset.paper[a.name] for a in arms
-             if with_paper and a.name in preset.paper}
+    paper = {a.name: preset.paper[a.name] for a in arms if with_paper and a.name in preset.paper}
     two = len(arms) == 2
     header = ["metric"] + [a.label for a in arms] + (["change"] if two else [])
     for name in paper:
@@ -278,12 +329,12 @@ def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: 
             row.append(cell)
         if two:
             off, on = (summaries[a.name].get(key) for a in arms)
-            row.append(_change(float(off), float(on))
-                       if key not in NO_CHANGE and off is not None and on is not None else "")
+            row.append(
+                _change(float(off), float(on)) if key not in NO_CHANGE and off is not None and on is not None else ""
+            )
         for name, figures in paper.items():
             if key in figures:
-                row += [fmt.format(figures[key]),
-                        _change(figures[key], float(summaries[name].get(key, math.nan)))]
+                row += [fmt.format(figures[key]), _change(figures[key], float(summaries[name].get(key, math.nan)))]
             else:
                 row += ["", ""]
         if two and len(paper) == 2:
@@ -293,8 +344,9 @@ def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: 
     return _layout(rows)
 
 
-def format_sweep(name: str, values: list[str], summaries: dict[str, dict[str, Any]],
-                 fitted: dict[str, CostProfile] | None = None) -> str:
+def format_sweep(
+    name: str, values: list[str], summaries: dict[str, dict[str, Any]], fitted: dict[str, CostProfile] | None = None
+) -> str:
     header = [name, "off tok/s", "on tok/s"] + [f"{label} on vs off" for label, _ in SWEEP_KEYS]
     header += ["off TTFT ms", "on TTFT ms", "off TPOT ms", "on TPOT ms"]
     if fitted:
@@ -303,53 +355,73 @@ def format_sweep(name: str, values: list[str], summaries: dict[str, dict[str, An
     for value in values:
         key = f"{name}={value}"
         off, on = summaries[f"{key} off"], summaries[f"{key} on"]
-        rows.append([value, f"{off['output_tok_s']:.1f}", f"{on['output_tok_s']:.1f}"]
-                    + [_change(off[k], on[k]) for _, k in SWEEP_KEYS]
-                    + [f"{off['ttft_mean_ms']:.0f}", f"{on['ttft_mean_ms']:.0f}",
-                       f"{off['tpot_mean_ms']:.2f}", f"{on['tpot_mean_ms']:.2f}"])
+        rows.append(
+            [value, f"{off['output_tok_s']:.1f}", f"{on['output_tok_s']:.1f}"]
+            + [_change(off[k], on[k]) for _, k in SWEEP_KEYS]
+            + [
+                f"{off['ttft_mean_ms']:.0f}",
+                f"{on['ttft_mean_ms']:.0f}",
+                f"{off['tpot_mean_ms']:.2f}",
+                f"{on['tpot_mean_ms']:.2f}",
+            ]
+        )
         if fitted:
             p = fitted[key]
-            rows[-1].append(f"{p.step_overhead_ms:g}, {p.decode_ms_per_request:g}, "
-                            f"{p.prefill_ms_per_token:g}, {p.prefill_step_overhead_ms:g}")
+            rows[-1].append(
+                f"{p.step_overhead_ms:g}, {p.decode_ms_per_request:g}, "
+                f"{p.prefill_ms_per_token:g}, {p.prefill_step_overhead_ms:g}"
+            )
     return _layout(rows)
 
 
 def describe(settings: SimSettings, profile: CostProfile) -> str:
-    arrivals = (f"closed loop, concurrency {settings.concurrency}"
-                if settings.request_rate is None else
-                f"Poisson {settings.request_rate} req/s, concurrency cap {settings.concurrency}")
-    mtp = (f"MTP k={profile.num_speculative_tokens} acceptance "
-           f"{profile.acceptance_rate_mean:g}±{profile.acceptance_rate_spread:g}"
-           if profile.num_speculative_tokens else "no MTP")
-    return (f"DP {settings.dp_size} x max_num_seqs {settings.max_num_seqs}, "
-            f"max_num_batched_tokens {settings.max_num_batched_tokens}; "
-            f"{settings.num_requests} requests {settings.prompt_tokens}"
-            f"(±{settings.prompt_spread:.0%})/{settings.output_tokens}"
-            f"(±{settings.output_spread:.0%}) tokens, {arrivals}, jitter {settings.jitter_ms} ms, "
-            f"router {settings.router}; gate {settings.gate}; profile {profile.name}: "
-            f"{profile.step_overhead_ms:g} ms + {profile.decode_ms_per_request:g} ms/decode req + "
-            f"{profile.prefill_ms_per_token:g} ms/prefill token + "
-            f"{profile.prefill_step_overhead_ms:g} ms/prefill step, noise cv "
-            f"{profile.step_noise_cv:g}, {mtp}, async scheduling "
-            f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
-            f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}")
+    arrivals = (
+        f"closed loop, concurrency {settings.concurrency}"
+        if settings.request_rate is None
+        else f"Poisson {settings.request_rate} req/s, concurrency cap {settings.concurrency}"
+    )
+    mtp = (
+        f"MTP k={profile.num_speculative_tokens} acceptance "
+        f"{profile.acceptance_rate_mean:g}±{profile.acceptance_rate_spread:g}"
+        if profile.num_speculative_tokens
+        else "no MTP"
+    )
+    return (
+        f"DP {settings.dp_size} x max_num_seqs {settings.max_num_seqs}, "
+        f"max_num_batched_tokens {settings.max_num_batched_tokens}; "
+        f"{settings.num_requests} requests {settings.prompt_tokens}"
+        f"(±{settings.prompt_spread:.0%})/{settings.output_tokens}"
+        f"(±{settings.output_spread:.0%}) tokens, {arrivals}, jitter {settings.jitter_ms} ms, "
+        f"router {settings.router}; gate {settings.gate}; profile {profile.name}: "
+        f"{profile.step_overhead_ms:g} ms + {profile.decode_ms_per_request:g} ms/decode req + "
+        f"{profile.prefill_ms_per_token:g} ms/prefill token + "
+        f"{profile.prefill_step_overhead_ms:g} ms/prefill step, noise cv "
+        f"{profile.step_noise_cv:g}, {mtp}, async scheduling "
+        f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
+        f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}"
+    )
 
 
 def _payload(summary: dict[str, Any], settings: SimSettings, profile: CostProfile) -> dict:
-    used = {k: str(v) if isinstance(v, Path) else v
-            for k, v in dataclasses.asdict(settings).items()}
+    used = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()}
     return {**summary, "settings": used, "profile": {"name": profile.name, **profile.values()}}
 
 
-def _calibrated(args: argparse.Namespace, preset: Preset, settings: SimSettings,
-                profile: CostProfile,
-                parser: argparse.ArgumentParser) -> tuple[CostProfile, dict[str, Any]]:
+def _calibrated(
+    args: argparse.Namespace,
+    preset: Preset,
+    settings: SimSettings,
+    profile: CostProfile,
+    parser: argparse.ArgumentParser,
+) -> tuple[CostProfile, dict[str, Any]]:
     """``profile`` with its costs fitted on the preset's baseline row, and that row's summary."""
     from dpsim.calibration import calibrate
 
     if "off" not in preset.paper or not same_client_workload(settings, preset):
-        parser.error("calibrating needs a preset with a published baseline row, and its "
-                     f"workload unchanged ({', '.join(WORKLOAD_FIELDS)})")
+        parser.error(
+            "calibrating needs a preset with a published baseline row, and its "
+            f"workload unchanged ({', '.join(WORKLOAD_FIELDS)})"
+        )
     knob = args.calibrate_knob or preset.calibrate_knob
 
     def run_off(profiles: list[CostProfile]) -> list[dict[str, Any]]:
@@ -357,14 +429,20 @@ def _calibrated(args: argparse.Namespace, preset: Preset, settings: SimSettings,
         results = run_jobs(jobs, args.jobs, not args.no_progress)
         return [results[job.key].summary for job in jobs]
 
-    print(f"calibrating {settings.profile}: {knob} on {preset.source}'s "
-          f"baseline {' and '.join(preset.calibrate_on)}", flush=True)
-    return calibrate(profile, preset.paper["off"], preset.calibrate_on, knob, run_off,
-                     lambda s: print(s, flush=True))
+    print(
+        f"calibrating {settings.profile}: {knob} on {preset.source}'s baseline {' and '.join(preset.calibrate_on)}",
+        flush=True,
+    )
+    return calibrate(profile, preset.paper["off"], preset.calibrate_on, knob, run_off, lambda s: print(s, flush=True))
 
 
-def calibrate_profile(args: argparse.Namespace, preset: Preset, settings: SimSettings,
-                      profile: CostProfile, parser: argparse.ArgumentParser) -> int:
+def calibrate_profile(
+    args: argparse.Namespace,
+    preset: Preset,
+    settings: SimSettings,
+    profile: CostProfile,
+    parser: argparse.ArgumentParser,
+) -> int:
     try:
         calibrated, _ = _calibrated(args, preset, settings, profile, parser)
     except ValueError as exc:
@@ -395,8 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         try:
             sweep = parse_sweep(args.sweep)
-            variants = [(f"{sweep[0]}={v}", *apply(settings, profile, {sweep[0]: v}))
-                        for v in sweep[1]]
+            variants = [(f"{sweep[0]}={v}", *apply(settings, profile, {sweep[0]: v})) for v in sweep[1]]
         except ParamError as exc:
             parser.error(str(exc))
         fitted: dict[str, dict[str, Any]] = {}
@@ -410,8 +487,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
         # A recalibrated variant's baseline run is the calibration's last run (deterministic).
-        jobs = [Job(f"{key} {arm.name}", s, p, arm) for key, s, p in variants for arm in OFF_ON
-                if f"{key} {arm.name}" not in fitted]
+        jobs = [
+            Job(f"{key} {arm.name}", s, p, arm)
+            for key, s, p in variants
+            for arm in OFF_ON
+            if f"{key} {arm.name}" not in fitted
+        ]
         arms: list[Arm] = list(OFF_ON)
     else:
         if args.compare_policies:
@@ -419,19 +500,27 @@ def main(argv: list[str] | None = None) -> int:
         elif args.compare:
             arms = list(OFF_ON)
         else:
-            arms = [Arm(args.balance if args.interval == 1 else f"{args.balance}+interval-"
-                        f"{args.interval}", args.balance == "on", args.interval)]
+            arms = [
+                Arm(
+                    args.balance if args.interval == 1 else f"{args.balance}+interval-{args.interval}",
+                    args.balance == "on",
+                    args.interval,
+                )
+            ]
         jobs = [Job(arm.name, settings, profile, arm) for arm in arms]
     print(describe(settings, profile), flush=True)
     results = run_jobs(jobs, args.jobs, not args.no_progress)
     summaries = {key: result.summary for key, result in results.items()}
     if sweep is not None:
         summaries.update(fitted)
-        print(format_sweep(sweep[0], sweep[1], summaries,
-                           {key: p for key, _, p in variants} if fitted else None), flush=True)
-        payload: Any = [{"value": v, **{arm.name: _payload(summaries[f"{key} {arm.name}"], s, p)
-                                        for arm in OFF_ON}}
-                        for v, (key, s, p) in zip(sweep[1], variants)]
+        print(
+            format_sweep(sweep[0], sweep[1], summaries, {key: p for key, _, p in variants} if fitted else None),
+            flush=True,
+        )
+        payload: Any = [
+            {"value": v, **{arm.name: _payload(summaries[f"{key} {arm.name}"], s, p) for arm in OFF_ON}}
+            for v, (key, s, p) in zip(sweep[1], variants)
+        ]
     else:
         print(format_table(summaries, arms, preset, same_workload(settings, preset)), flush=True)
         payload = {key: _payload(summary, settings, profile) for key, summary in summaries.items()}
@@ -446,14 +535,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_policies:
             save_policies_plot(results, arms, args.plot, title)
         else:
-            save_comparison_plot(results, args.plot, title, start_s=args.plot_start_s,
-                                 window_s=args.plot_window_s or None)
+            save_comparison_plot(
+                results, args.plot, title, start_s=args.plot_start_s, window_s=args.plot_window_s or None
+            )
         print(f"wrote {args.plot}", file=sys.stderr)
     walls = [s["sim_wall_s"] for s in summaries.values()]
-    print(f"wall time {time.perf_counter() - started:.1f} s ({len(jobs)} run(s), "
-          f"{min(args.jobs, len(jobs))} process(es); longest run {max(walls):.1f} s)", flush=True)
-    unfinished = {n: s["num_requests"] - s["finished"] for n, s in summaries.items()
-                  if s["finished"] != s["num_requests"]}
+    print(
+        f"wall time {time.perf_counter() - started:.1f} s ({len(jobs)} run(s), "
+        f"{min(args.jobs, len(jobs))} process(es); longest run {max(walls):.1f} s)",
+        flush=True,
+    )
+    unfinished = {
+        n: s["num_requests"] - s["finished"] for n, s in summaries.items() if s["finished"] != s["num_requests"]
+    }
     if unfinished:
         print(f"error: requests did not finish: {unfinished}", file=sys.stderr)
         return 1

@@ -57,8 +57,11 @@ class PrefillCadence:
 
     def defers(self, step_counter: int, scheduler: Any) -> bool:
         """Whether this rank's next ``schedule()`` defers prefills (0.27.1's ``defer_prefills``)."""
-        return (should_throttle(step_counter, self.interval) and not self.capacity_bound
-                and any(not request.is_prefill_chunk for request in scheduler.running))
+        return (
+            should_throttle(step_counter, self.interval)
+            and not self.capacity_bound
+            and any(not request.is_prefill_chunk for request in scheduler.running)
+        )
 
     def after_step(self, scheduler: Any, deferred: bool, admission_block_ran: bool) -> None:
         """Update the guard as 0.27.1 does at the end of the admission block."""

@@ -47,10 +47,15 @@ class Point:
 
 
 def _profile(base: CostProfile, knob: str, scale: float, value: float) -> CostProfile:
-    return with_values(base, {"step_overhead_ms": round(base.step_overhead_ms * scale, 3),
-                              "decode_ms_per_request": round(base.decode_ms_per_request * scale,
-                                                             4),
-                              knob: round(value, 5)}, "calibration")
+    return with_values(
+        base,
+        {
+            "step_overhead_ms": round(base.step_overhead_ms * scale, 3),
+            "decode_ms_per_request": round(base.decode_ms_per_request * scale, 4),
+            knob: round(value, 5),
+        },
+        "calibration",
+    )
 
 
 def _solve_two(a: Point, b: Point, targets: dict[str, float]) -> tuple[float, float]:
@@ -70,8 +75,10 @@ def _solve_two(a: Point, b: Point, targets: dict[str, float]) -> tuple[float, fl
         raise ValueError("TPOT and TTFT respond alike to both costs: cannot separate them")
     scale, knob = (tpot * v2 - ttft * v1) / det2, (u1 * ttft - u2 * tpot) / det2
     if scale <= 0 or knob < 0:
-        raise ValueError(f"no positive costs reach the targets (scale {scale:.3f}, prefill "
-                         f"cost {knob:.4f}): the schedule cannot produce this TTFT/TPOT")
+        raise ValueError(
+            f"no positive costs reach the targets (scale {scale:.3f}, prefill "
+            f"cost {knob:.4f}): the schedule cannot produce this TTFT/TPOT"
+        )
     return scale, knob
 
 
@@ -86,8 +93,14 @@ def _solve_one(a: Point, b: Point, targets: dict[str, float]) -> tuple[float, fl
     return 1.0, knob
 
 
-def calibrate(base: CostProfile, targets: dict[str, float], keys: tuple[str, ...], knob: str,
-              run_off: RunOff, log: Callable[[str], None]) -> tuple[CostProfile, dict[str, Any]]:
+def calibrate(
+    base: CostProfile,
+    targets: dict[str, float],
+    keys: tuple[str, ...],
+    knob: str,
+    run_off: RunOff,
+    log: Callable[[str], None],
+) -> tuple[CostProfile, dict[str, Any]]:
     """The calibrated profile and its baseline summary."""
     if keys not in TARGET_SETS or knob not in KNOBS:
         raise ValueError(f"cannot calibrate {knob} on {keys}")
@@ -99,6 +112,7 @@ def calibrate(base: CostProfile, targets: dict[str, float], keys: tuple[str, ...
     for point in points:
         log(_line(base, knob, point, targets))
     solve = _solve_two if len(keys) == 2 else _solve_one
+
     def error(point: Point) -> float:
         return max(abs(point[key] / targets[key] - 1) for key in keys)
 
@@ -111,11 +125,9 @@ def calibrate(base: CostProfile, targets: dict[str, float], keys: tuple[str, ...
             return _profile(base, knob, scale, value), summary
     best = min(points, key=error)
     if error(best) < ACCEPTABLE:
-        log(f"  no point within {TOLERANCE:.0%} after {MAX_ROUNDS} rounds: taking the best, "
-            f"within {error(best):.1%}")
+        log(f"  no point within {TOLERANCE:.0%} after {MAX_ROUNDS} rounds: taking the best, within {error(best):.1%}")
         return _profile(base, knob, best.scale, best.knob), best.summary
-    raise ValueError(f"no convergence within {MAX_ROUNDS} rounds "
-                     f"(best: {_line(base, knob, best, targets)})")
+    raise ValueError(f"no convergence within {MAX_ROUNDS} rounds (best: {_line(base, knob, best, targets)})")
 
 
 def _line(base: CostProfile, knob: str, point: Point, targets: dict[str, float]) -> str:
@@ -124,9 +136,11 @@ def _line(base: CostProfile, knob: str, point: Point, targets: dict[str, float])
     def off(key: str) -> str:
         return f" ({(point[key] / targets[key] - 1) * 100:+.1f}%)" if key in targets else ""
 
-    return (f"  overhead {profile.step_overhead_ms:g} ms, decode {profile.decode_ms_per_request:g}"
-            f" ms/req, prefill {profile.prefill_ms_per_token:g} ms/token + "
-            f"{profile.prefill_step_overhead_ms:g} ms/step -> TPOT {point['tpot_mean_ms']:.2f} ms"
-            f"{off('tpot_mean_ms')}, TTFT {point['ttft_mean_ms']:.0f} ms{off('ttft_mean_ms')}, "
-            f"output {point['output_tok_s']:.1f} tok/s{off('output_tok_s')}, request/s "
-            f"{point['request_s']:.2f}{off('request_s')}")
+    return (
+        f"  overhead {profile.step_overhead_ms:g} ms, decode {profile.decode_ms_per_request:g}"
+        f" ms/req, prefill {profile.prefill_ms_per_token:g} ms/token + "
+        f"{profile.prefill_step_overhead_ms:g} ms/step -> TPOT {point['tpot_mean_ms']:.2f} ms"
+        f"{off('tpot_mean_ms')}, TTFT {point['ttft_mean_ms']:.0f} ms{off('ttft_mean_ms')}, "
+        f"output {point['output_tok_s']:.1f} tok/s{off('output_tok_s')}, request/s "
+        f"{point['request_s']:.2f}{off('request_s')}"
+    )

@@ -60,8 +60,14 @@ def sim_request(request_id: str, shape: RequestShape, arrival_time: float) -> Re
     params = SamplingParams(ignore_eos=True, max_tokens=shape.output_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     prompt = [3 + (i % 100) for i in range(shape.prompt_tokens)]
-    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   pooling_params=None, arrival_time=arrival_time, block_hasher=None)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=arrival_time,
+        block_hasher=None,
+    )
 
 
 class _CapMinusOneGate:
@@ -126,34 +132,54 @@ AcceptedDrafts = Callable[[str, int], int]
 
 
 class LockstepCluster:
-    def __init__(self, model_dir: Path, *, dp_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, balance: bool,
-                 gate: str = "cap", async_scheduling: bool = False,
-                 num_speculative_tokens: int = 0, prefill_schedule_interval: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dp_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        balance: bool,
+        gate: str = "cap",
+        async_scheduling: bool = False,
+        num_speculative_tokens: int = 0,
+        prefill_schedule_interval: int = 1,
+    ) -> None:
         # Enough KV blocks that no rank ever preempts: the effect studied is admission timing.
         blocks_per_request = -(-max_model_len // KV_BLOCK_SIZE) + 1
         # MTP itself needs the DeepSeek draft head; "ngram_gpu" is the drafter-free method vLLM
         # accepts with async scheduling. The scheduler only reads num_speculative_tokens (and,
         # for EAGLE/MTP, reserves KV lookahead slots, irrelevant with this much KV cache).
-        speculative = (SpeculativeConfig(method="ngram_gpu",
-                                         num_speculative_tokens=num_speculative_tokens)
-                       if num_speculative_tokens else None)
+        speculative = (
+            SpeculativeConfig(method="ngram_gpu", num_speculative_tokens=num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        )
         config = make_vllm_config(
-            model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, dp_size=dp_size, async_scheduling=async_scheduling,
-            num_blocks=max_num_seqs * blocks_per_request + 1, speculative_config=speculative)
+            model_dir,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            dp_size=dp_size,
+            async_scheduling=async_scheduling,
+            num_blocks=max_num_seqs * blocks_per_request + 1,
+            speculative_config=speculative,
+        )
         self.scheduler_cls = scheduler_class(balance, async_scheduling, gate)
         self.schedulers: list[Any] = build_schedulers(self.scheduler_cls, config, dp_size)
         self.balance = balance
         self.async_scheduling = async_scheduling
         self.num_speculative_tokens = num_speculative_tokens
-        self.cadences = ([PrefillCadence(prefill_schedule_interval) for _ in range(dp_size)]
-                         if prefill_schedule_interval > 1 else None)
+        self.cadences = (
+            [PrefillCadence(prefill_schedule_interval) for _ in range(dp_size)]
+            if prefill_schedule_interval > 1
+            else None
+        )
 
     def counts(self) -> list[tuple[int, int]]:
         """(waiting, running) of every rank, as the DP coordinator publishes them."""
-        return [(len(s.waiting) + len(s.skipped_waiting), len(s.running))
-                for s in self.schedulers]
+        return [(len(s.waiting) + len(s.skipped_waiting), len(s.running)) for s in self.schedulers]
 
     def running(self) -> list[int]:
         return [len(s.running) for s in self.schedulers]
@@ -191,8 +217,7 @@ class LockstepCluster:
                 output = scheduler.schedule()
             if cadence is not None:
                 gated = self.balance and scheduler.balance_gated_steps > gated_before
-                cadence.after_step(scheduler, deferred,
-                                   admission_block_ran=not gated and not output.preempted_req_ids)
+                cadence.after_step(scheduler, deferred, admission_block_ran=not gated and not output.preempted_req_ids)
             batch.outputs.append(output)
             sampling, work = self._classify(scheduler, output)
             work.deferred = deferred
@@ -219,8 +244,7 @@ class LockstepCluster:
                 sampling.append((request_id, len(spec.get(request_id, ()))))
         return sampling, RankWork(prefill, decode, len(output.scheduled_new_reqs))
 
-    def finish(self, batch: Batch,
-               accepted: AcceptedDrafts) -> tuple[list[tuple[str, int]], list[str]]:
+    def finish(self, batch: Batch, accepted: AcceptedDrafts) -> tuple[list[tuple[str, int]], list[str]]:
         """Fake the model for ``batch`` and update every rank with it.
 
         Returns (request id, new tokens) for every request that received tokens, and the ids
@@ -233,12 +257,15 @@ class LockstepCluster:
                 continue
             drafts = dict(sampling)
             req_ids = list(output.num_scheduled_tokens)
-            sampled = [[TOKEN_ID] * (1 + accepted(r, drafts[r])) if r in drafts else []
-                       for r in req_ids]
+            sampled = [[TOKEN_ID] * (1 + accepted(r, drafts[r])) if r in drafts else [] for r in req_ids]
             model_output = ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                pooler_output=[])
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+            )
             engine_outputs = scheduler.update_from_output(output, model_output)
             for client_outputs in engine_outputs.values():
                 for out in client_outputs.outputs:
@@ -250,8 +277,7 @@ class LockstepCluster:
                 # EngineCore.post_step: the drafter's proposals for the next step (the async
                 # scheduler puts placeholders itself).
                 k = self.num_speculative_tokens
-                scheduler.update_draft_token_ids(DraftTokenIds(
-                    list(drafts), [[TOKEN_ID] * k for _ in drafts]))
+                scheduler.update_draft_token_ids(DraftTokenIds(list(drafts), [[TOKEN_ID] * k for _ in drafts]))
         return produced, finished
 
     def gather(self) -> None:

@@ -31,28 +31,40 @@ from typing import Any
 
 # key: (type, default or None when required, lower bound, upper bound or None, meaning)
 PARAMETERS: dict[str, tuple[type, Any, float, float | None, str]] = {
-    "step_overhead_ms": (float, None, 0.0, None,
-                         "fixed cost of every lockstep step (launch, sampling, DP sync; a dummy "
-                         "batch costs only this)"),
-    "decode_ms_per_request": (float, None, 0.0, None,
-                              "extra cost per decoding request on a rank (its k+1 tokens)"),
+    "step_overhead_ms": (
+        float,
+        None,
+        0.0,
+        None,
+        "fixed cost of every lockstep step (launch, sampling, DP sync; a dummy batch costs only this)",
+    ),
+    "decode_ms_per_request": (float, None, 0.0, None, "extra cost per decoding request on a rank (its k+1 tokens)"),
     "prefill_ms_per_token": (float, None, 0.0, None, "extra cost per prefill token on a rank"),
-    "prefill_step_overhead_ms": (float, 0.0, 0.0, None,
-                                 "extra cost of a step in which any rank prefills (every rank "
-                                 "leaves its decode-only graph)"),
-    "step_noise_cv": (float, 0.0, 0.0, 1.0,
-                      "per-rank step-time noise (coefficient of variation, log-normal)"),
+    "prefill_step_overhead_ms": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "extra cost of a step in which any rank prefills (every rank leaves its decode-only graph)",
+    ),
+    "step_noise_cv": (float, 0.0, 0.0, 1.0, "per-rank step-time noise (coefficient of variation, log-normal)"),
     "num_speculative_tokens": (int, 0, 0, 16, "MTP draft tokens per decode step (0: no MTP)"),
-    "acceptance_rate_mean": (float, 0.0, 0.0, 1.0,
-                             "mean per-draft acceptance rate of a request (MTP)"),
-    "acceptance_rate_spread": (float, 0.0, 0.0, 1.0,
-                               "requests' acceptance rates are uniform in mean ± spread"),
-    "async_scheduling": (bool, False, 0, None,
-                         "vLLM's AsyncScheduler: the next batch is scheduled before the "
-                         "previous one's output is known"),
-    "coordinator_publish_ms": (float, 100.0, 0.0, None,
-                               "DP coordinator's load-stats publish interval seen by the "
-                               "router (vLLM: 100 ms; 0: always fresh)"),
+    "acceptance_rate_mean": (float, 0.0, 0.0, 1.0, "mean per-draft acceptance rate of a request (MTP)"),
+    "acceptance_rate_spread": (float, 0.0, 0.0, 1.0, "requests' acceptance rates are uniform in mean ± spread"),
+    "async_scheduling": (
+        bool,
+        False,
+        0,
+        None,
+        "vLLM's AsyncScheduler: the next batch is scheduled before the previous one's output is known",
+    ),
+    "coordinator_publish_ms": (
+        float,
+        100.0,
+        0.0,
+        None,
+        "DP coordinator's load-stats publish interval seen by the router (vLLM: 100 ms; 0: always fresh)",
+    ),
 }
 # Keys for humans only: where the numbers come from.
 FREE_TEXT = {"name", "description", "calibration", "sources"}
@@ -78,19 +90,16 @@ class CostProfile:
 
     def rank_ms(self, prefill_tokens: int, decode_requests: int) -> float:
         """What one rank adds on top of the fixed overhead."""
-        return (prefill_tokens * self.prefill_ms_per_token
-                + decode_requests * self.decode_ms_per_request)
+        return prefill_tokens * self.prefill_ms_per_token + decode_requests * self.decode_ms_per_request
 
-    def step_s(self, rank_work_ms: list[float], noise: random.Random | None = None,
-               prefill: bool = False) -> float:
+    def step_s(self, rank_work_ms: list[float], noise: random.Random | None = None, prefill: bool = False) -> float:
         """Lockstep step time: the slowest rank, each rank's time with its own noise draw;
         ``prefill``: some rank prefills in this step."""
         fixed = self.step_overhead_ms + (self.prefill_step_overhead_ms if prefill else 0.0)
         if not self.step_noise_cv or noise is None:
             return (fixed + max(rank_work_ms)) / 1000.0
-        sigma = math.sqrt(math.log1p(self.step_noise_cv ** 2))
-        return max((fixed + work) * noise.lognormvariate(-sigma * sigma / 2, sigma)
-                   for work in rank_work_ms) / 1000.0
+        sigma = math.sqrt(math.log1p(self.step_noise_cv**2))
+        return max((fixed + work) * noise.lognormvariate(-sigma * sigma / 2, sigma) for work in rank_work_ms) / 1000.0
 
     def values(self) -> dict[str, Any]:
         """The parameters (no name), as a profile file holds them."""
@@ -118,8 +127,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> CostProfile:
         raise ProfileError(f"{source}: expected a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - set(PARAMETERS) - FREE_TEXT)
     if unknown:
-        raise ProfileError(f"{source}: unknown key(s) {unknown}; allowed: "
-                           f"{sorted(PARAMETERS) + sorted(FREE_TEXT)}")
+        raise ProfileError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(PARAMETERS) + sorted(FREE_TEXT)}")
     values: dict[str, Any] = {}
     for key, (_, default, _, _, meaning) in PARAMETERS.items():
         if key not in data:
@@ -129,8 +137,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> CostProfile:
         else:
             values[key] = _check(key, data[key], source)
     if values["step_overhead_ms"] + values["decode_ms_per_request"] <= 0:
-        raise ProfileError(f"{source}: a decode step must cost time (step_overhead_ms or "
-                           "decode_ms_per_request > 0)")
+        raise ProfileError(f"{source}: a decode step must cost time (step_overhead_ms or decode_ms_per_request > 0)")
     if values["num_speculative_tokens"] and "acceptance_rate_mean" not in data:
         raise ProfileError(f"{source}: num_speculative_tokens > 0 needs acceptance_rate_mean")
     name = data.get("name", Path(source).stem)
@@ -151,6 +158,5 @@ def load_profile(path: Path) -> CostProfile:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                           f"{exc.msg})") from exc
+        raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
     return profile_from_dict(data, str(path))

@@ -20,9 +20,19 @@ import numpy as np
 from dpsim.cluster import RankWork
 
 # Keys every run summary has (the JSON contract of --json).
-SUMMARY_KEYS = ("output_tok_s", "tpot_mean_ms", "tpot_p99_ms", "ttft_mean_ms", "ttft_p99_ms",
-                "ttft_first_wave_ms", "ttft_later_ms", "itl_p50_ms", "itl_mean_ms", "e2e_s",
-                "finished")
+SUMMARY_KEYS = (
+    "output_tok_s",
+    "tpot_mean_ms",
+    "tpot_p99_ms",
+    "ttft_mean_ms",
+    "ttft_p99_ms",
+    "ttft_first_wave_ms",
+    "ttft_later_ms",
+    "itl_p50_ms",
+    "itl_mean_ms",
+    "e2e_s",
+    "finished",
+)
 
 
 @dataclass
@@ -107,12 +117,15 @@ class RunRecorder:
         summary = {
             "output_tok_s": float(tokens[ok].sum() / duration) if duration > 0 else 0.0,
             "request_s": float(ok.sum() / duration) if duration > 0 else 0.0,
-            "tpot_mean_ms": stat(tpot, "mean"), "tpot_p99_ms": stat(tpot, "p99"),
-            "ttft_mean_ms": stat(ttft, "mean"), "ttft_p99_ms": stat(ttft, "p99"),
+            "tpot_mean_ms": stat(tpot, "mean"),
+            "tpot_p99_ms": stat(tpot, "p99"),
+            "ttft_mean_ms": stat(ttft, "mean"),
+            "ttft_p99_ms": stat(ttft, "p99"),
             "ttft_first_wave_ms": stat(ttft_all[first_wave], "mean"),
             "ttft_later_ms": stat(ttft_all[ok & ~first_wave], "mean"),
             "first_wave_requests": int(first_wave.sum()),
-            "itl_p50_ms": stat(itl, "p50"), "itl_mean_ms": stat(itl, "mean"),
+            "itl_p50_ms": stat(itl, "p50"),
+            "itl_mean_ms": stat(itl, "mean"),
             "e2e_s": duration,
             "finished": int(ok.sum()),
             "num_requests": len(self.sent_at),
@@ -126,5 +139,4 @@ class RunRecorder:
             "tokens_per_chunk": float(tokens[ok].sum() / max(len(self.itl) + ok.sum(), 1)),
             "sim_wall_s": wall_s,
         }
-        return RunResult(summary, self.step_times, self.running, tpot.tolist(), ttft.tolist(),
-                         list(self.done_step))
+        return RunResult(summary, self.step_times, self.running, tpot.tolist(), ttft.tolist(), list(self.done_step))

@@ -53,8 +53,7 @@ def _parse(name: str, text: str, kind: Any) -> Any:
         raise ParamError(f"{name}: expected {kind.__name__}, got {text!r}") from None
 
 
-def apply(settings: SimSettings, profile: CostProfile,
-          assignments: dict[str, str]) -> tuple[SimSettings, CostProfile]:
+def apply(settings: SimSettings, profile: CostProfile, assignments: dict[str, str]) -> tuple[SimSettings, CostProfile]:
     """``settings`` and ``profile`` with ``name -> text`` assignments applied and checked."""
     profile_values: dict[str, Any] = {}
     settings_values: dict[str, Any] = {}

@@ -21,15 +21,23 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from dpsim.metrics import RunResult  # noqa: E402
 from dpsim.settings import Arm  # noqa: E402
 
-COLORS = {"off": "tab:red", "on": "tab:blue", "interval-2": "tab:green",
-          "interval-4": "tab:olive", "on+interval-2": "tab:purple"}
+COLORS = {
+    "off": "tab:red",
+    "on": "tab:blue",
+    "interval-2": "tab:green",
+    "interval-4": "tab:olive",
+    "on+interval-2": "tab:purple",
+}
 # (title, summary key) of the policy figure's bar panels.
-POLICY_BARS = (("output tok/s", "output_tok_s"), ("TPOT mean (ms)", "tpot_mean_ms"),
-               ("TTFT mean (ms)", "ttft_mean_ms"), ("ITL p50 (ms)", "itl_p50_ms"))
+POLICY_BARS = (
+    ("output tok/s", "output_tok_s"),
+    ("TPOT mean (ms)", "tpot_mean_ms"),
+    ("TTFT mean (ms)", "ttft_mean_ms"),
+    ("ITL p50 (ms)", "itl_p50_ms"),
+)
 
 
-def _running_panel(axis: plt.Axes, name: str, result: RunResult, start_s: float,
-                   window_s: float | None) -> None:
+def _running_panel(axis: plt.Axes, name: str, result: RunResult, start_s: float, window_s: float | None) -> None:
     times = np.array(result.step_times)
     running = np.array(result.running)
     if times.size == 0:
@@ -38,8 +46,7 @@ def _running_panel(axis: plt.Axes, name: str, result: RunResult, start_s: float,
     end = start_s + window_s if window_s else times[-1]
     shown = (times >= start_s) & (times <= end)
     for rank in range(running.shape[1]):
-        axis.step(times[shown], running[shown, rank], where="post", linewidth=0.8,
-                  label=f"rank {rank}")
+        axis.step(times[shown], running[shown, rank], where="post", linewidth=0.8, label=f"rank {rank}")
     axis.set_title(f"{name}: running requests per DP rank")
     axis.set_xlabel("simulated time (s)")
     axis.set_ylabel("len(running)")
@@ -48,8 +55,7 @@ def _running_panel(axis: plt.Axes, name: str, result: RunResult, start_s: float,
         axis.legend(loc="lower right", fontsize=7, ncol=2)
 
 
-def _histogram(axis: plt.Axes, results: dict[str, RunResult], attribute: str,
-               label: str) -> None:
+def _histogram(axis: plt.Axes, results: dict[str, RunResult], attribute: str, label: str) -> None:
     series = {name: np.array(getattr(result, attribute)) for name, result in results.items()}
     values = np.concatenate([v for v in series.values() if v.size]) if series else np.array([])
     if values.size == 0:
@@ -57,15 +63,15 @@ def _histogram(axis: plt.Axes, results: dict[str, RunResult], attribute: str,
         return
     bins = np.linspace(values.min(), values.max() + 1e-9, 50)
     for name, data in series.items():
-        axis.hist(data, bins=bins, alpha=0.55, color=COLORS.get(name),
-                  label=f"balance {name} (mean {data.mean():.1f} ms)")
+        axis.hist(
+            data, bins=bins, alpha=0.55, color=COLORS.get(name), label=f"balance {name} (mean {data.mean():.1f} ms)"
+        )
     axis.set_xlabel(label)
     axis.set_ylabel("requests")
     axis.legend(fontsize=8)
 
 
-def _window(results: dict[str, RunResult], start_s: float | None,
-            window_s: float | None) -> tuple[float, float | None]:
+def _window(results: dict[str, RunResult], start_s: float | None, window_s: float | None) -> tuple[float, float | None]:
     if start_s is None:
         # Past the first wave (every rank fills up at once), where the ranks' rhythms differ;
         # the same window for every run so the panels compare.
@@ -74,8 +80,9 @@ def _window(results: dict[str, RunResult], start_s: float | None,
     return start_s, window_s
 
 
-def save_comparison_plot(results: dict[str, RunResult], path: Path, title: str,
-                         start_s: float | None = None, window_s: float | None = None) -> None:
+def save_comparison_plot(
+    results: dict[str, RunResult], path: Path, title: str, start_s: float | None = None, window_s: float | None = None
+) -> None:
     names = list(results)
     start_s, window_s = _window(results, start_s, window_s)
     figure, axes = plt.subplots(2, max(len(names), 2), figsize=(13, 8.5), squeeze=False)
@@ -93,20 +100,23 @@ def save_comparison_plot(results: dict[str, RunResult], path: Path, title: str,
     plt.close(figure)
 
 
-def _cdf(axis: plt.Axes, results: dict[str, RunResult], arms: list[Arm], attribute: str,
-         label: str) -> None:
+def _cdf(axis: plt.Axes, results: dict[str, RunResult], arms: list[Arm], attribute: str, label: str) -> None:
     for arm in arms:
         data = np.sort(np.array(getattr(results[arm.name], attribute)))
         if data.size:
-            axis.plot(data, np.arange(1, data.size + 1) / data.size, color=COLORS.get(arm.name),
-                      label=arm.label, linewidth=1.2)
+            axis.plot(
+                data,
+                np.arange(1, data.size + 1) / data.size,
+                color=COLORS.get(arm.name),
+                label=arm.label,
+                linewidth=1.2,
+            )
     axis.set_xlabel(label)
     axis.set_ylabel("fraction of requests")
     axis.legend(fontsize=7)
 
 
-def save_policies_plot(results: dict[str, RunResult], arms: list[Arm], path: Path,
-                       title: str) -> None:
+def save_policies_plot(results: dict[str, RunResult], arms: list[Arm], path: Path, title: str) -> None:
     figure, axes = plt.subplots(2, len(POLICY_BARS), figsize=(15, 8), squeeze=False)
     labels = [arm.label.replace(" + ", "\n+ ") for arm in arms]
     for axis, (name, key) in zip(axes[0], POLICY_BARS):

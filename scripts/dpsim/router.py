@@ -69,8 +69,9 @@ class LoadBalancingRouter:
         return rank
 
 
-def make_router(name: str, dp_size: int, read_counts: CountsReader,
-                stats_interval_s: float) -> RoundRobinRouter | LoadBalancingRouter:
+def make_router(
+    name: str, dp_size: int, read_counts: CountsReader, stats_interval_s: float
+) -> RoundRobinRouter | LoadBalancingRouter:
     if name == "round-robin":
         return RoundRobinRouter(dp_size)
     if name == "lb":

@@ -41,8 +41,11 @@ class SimSettings:
 
     @property
     def max_model_len(self) -> int:
-        return (round(self.prompt_tokens * (1 + self.prompt_spread))
-                + round(self.output_tokens * (1 + self.output_spread)) + MODEL_LEN_MARGIN)
+        return (
+            round(self.prompt_tokens * (1 + self.prompt_spread))
+            + round(self.output_tokens * (1 + self.output_spread))
+            + MODEL_LEN_MARGIN
+        )
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,18 @@ class Arm:
 
     @property
     def label(self) -> str:
-        parts = ["balance on" if self.balance else ""] + (
-            [f"interval {self.interval}"] if self.interval > 1 else [])
+        parts = ["balance on" if self.balance else ""] + ([f"interval {self.interval}"] if self.interval > 1 else [])
         return " + ".join(p for p in parts if p) or "balance off"
 
 
 OFF_ON = (Arm("off", False), Arm("on", True))
-POLICIES = (Arm("off", False), Arm("on", True), Arm("interval-2", False, 2),
-            Arm("interval-4", False, 4), Arm("on+interval-2", True, 2))
+POLICIES = (
+    Arm("off", False),
+    Arm("on", True),
+    Arm("interval-2", False, 2),
+    Arm("interval-4", False, 4),
+    Arm("on+interval-2", True, 2),
+)
 
 
 @dataclass(frozen=True)
@@ -87,12 +94,12 @@ PRESETS: dict[str, Preset] = {
     # step's overhead and the decode cost scale are fitted, on the baseline's TPOT and TTFT.
     "rfc-dsv31": Preset(
         description="vllm-ascend PR #5212 result table: DeepSeek-V3.1, 3500/1500 tokens "
-                    "(fixed), 512 requests, concurrency 128 over DP 4 x max_num_seqs 32",
+        "(fixed), 512 requests, concurrency 128 over DP 4 x max_num_seqs 32",
         settings=SimSettings(),
-        paper={"off": {"output_tok_s": 1297.3, "tpot_mean_ms": 86.85, "ttft_mean_ms": 6600.0,
-                       "e2e_s": 591.9},
-               "on": {"output_tok_s": 1530.7, "tpot_mean_ms": 70.63, "ttft_mean_ms": 7012.0,
-                      "e2e_s": 501.7}},
+        paper={
+            "off": {"output_tok_s": 1297.3, "tpot_mean_ms": 86.85, "ttft_mean_ms": 6600.0, "e2e_s": 591.9},
+            "on": {"output_tok_s": 1530.7, "tpot_mean_ms": 70.63, "ttft_mean_ms": 7012.0, "e2e_s": 501.7},
+        },
         source="vllm-ascend PR #5212",
         calibrate_knob="prefill_step_overhead_ms",
     ),
@@ -104,16 +111,36 @@ PRESETS: dict[str, Preset] = {
     # step's overhead is fitted, on the baseline's TPOT (docs/simulator.md).
     "interval-pr-dsr1": Preset(
         description="vLLM PR #44558 workload A: DeepSeek-R1 DP 8 / EP, 1000/200 tokens (fixed), "
-                    "Poisson 24 req/s, 2400 requests",
-        settings=SimSettings(dp_size=8, max_num_seqs=1024, max_num_batched_tokens=8192,
-                             num_requests=2400, concurrency=None, request_rate=24.0,
-                             prompt_tokens=1000, output_tokens=200,
-                             profile=PROFILES_DIR / "interval-pr-dsr1.json"),
-        paper={"off": {"request_s": 22.43, "itl_p50_ms": 274.9, "itl_mean_ms": 236.7,
-                       "tpot_mean_ms": 240.5, "ttft_mean_ms": 813.0, "ttft_p99_ms": 2476.0},
-               "interval-2": {"request_s": 22.59, "itl_p50_ms": 32.1, "itl_mean_ms": 139.4,
-                              "tpot_mean_ms": 140.2, "ttft_mean_ms": 502.0,
-                              "ttft_p99_ms": 1475.0}},
+        "Poisson 24 req/s, 2400 requests",
+        settings=SimSettings(
+            dp_size=8,
+            max_num_seqs=1024,
+            max_num_batched_tokens=8192,
+            num_requests=2400,
+            concurrency=None,
+            request_rate=24.0,
+            prompt_tokens=1000,
+            output_tokens=200,
+            profile=PROFILES_DIR / "interval-pr-dsr1.json",
+        ),
+        paper={
+            "off": {
+                "request_s": 22.43,
+                "itl_p50_ms": 274.9,
+                "itl_mean_ms": 236.7,
+                "tpot_mean_ms": 240.5,
+                "ttft_mean_ms": 813.0,
+                "ttft_p99_ms": 2476.0,
+            },
+            "interval-2": {
+                "request_s": 22.59,
+                "itl_p50_ms": 32.1,
+                "itl_mean_ms": 139.4,
+                "tpot_mean_ms": 140.2,
+                "ttft_mean_ms": 502.0,
+                "ttft_p99_ms": 1475.0,
+            },
+        },
         source="vLLM PR #44558",
         calibrate_on=("tpot_mean_ms",),
         calibrate_knob="prefill_step_overhead_ms",
@@ -133,10 +160,14 @@ def with_overrides(base: SimSettings, **overrides: object) -> SimSettings:
 
 def problems(settings: SimSettings) -> list[str]:
     found = []
-    positive = {"dp_size": "DP size", "max_num_seqs": "max_num_seqs",
-                "max_num_batched_tokens": "max_num_batched_tokens",
-                "num_requests": "number of requests", "prompt_tokens": "prompt length",
-                "output_tokens": "output length"}
+    positive = {
+        "dp_size": "DP size",
+        "max_num_seqs": "max_num_seqs",
+        "max_num_batched_tokens": "max_num_batched_tokens",
+        "num_requests": "number of requests",
+        "prompt_tokens": "prompt length",
+        "output_tokens": "output length",
+    }
     for name, label in positive.items():
         if getattr(settings, name) < 1:
             found.append(f"{label} must be >= 1, got {getattr(settings, name)}")

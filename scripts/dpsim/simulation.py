@@ -39,34 +39,58 @@ class SimulationStuck(RuntimeError):
     """Requests remain but no rank makes progress (a bug, or a gate that never reopens)."""
 
 
-def run(settings: SimSettings, profile: CostProfile, arm: Arm, model_dir: Path | None = None,
-        progress: ProgressHook | None = None) -> RunResult:
+def run(
+    settings: SimSettings,
+    profile: CostProfile,
+    arm: Arm,
+    model_dir: Path | None = None,
+    progress: ProgressHook | None = None,
+) -> RunResult:
     """Simulate the whole benchmark once; ``progress(n)`` is told of n newly finished requests."""
     started, cpu_started = time.perf_counter(), time.process_time()
     if model_dir is None:
-        model_dir = prepare_model_dir(Path(tempfile.mkdtemp(prefix="dpsim-model-")),
-                                      settings.max_model_len)
+        model_dir = prepare_model_dir(Path(tempfile.mkdtemp(prefix="dpsim-model-")), settings.max_model_len)
     cluster = LockstepCluster(
-        model_dir, dp_size=settings.dp_size, max_num_seqs=settings.max_num_seqs,
+        model_dir,
+        dp_size=settings.dp_size,
+        max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len, balance=arm.balance, gate=settings.gate,
+        max_model_len=settings.max_model_len,
+        balance=arm.balance,
+        gate=settings.gate,
         async_scheduling=profile.async_scheduling,
         num_speculative_tokens=profile.num_speculative_tokens,
-        prefill_schedule_interval=arm.interval)
+        prefill_schedule_interval=arm.interval,
+    )
     # Same seeds in every arm: identical lengths, client jitter, acceptance and noise draws.
-    shapes = sample_shapes(settings.num_requests, settings.prompt_tokens, settings.output_tokens,
-                           settings.prompt_spread, settings.output_spread,
-                           random.Random(settings.seed))
-    client = Client(settings.num_requests, settings.concurrency, settings.request_rate,
-                    settings.jitter_ms / 1000.0, random.Random(settings.seed + 1))
-    acceptance = AcceptanceModel(settings.num_requests, profile.acceptance_rate_mean,
-                                 profile.acceptance_rate_spread, settings.seed + 2)
+    shapes = sample_shapes(
+        settings.num_requests,
+        settings.prompt_tokens,
+        settings.output_tokens,
+        settings.prompt_spread,
+        settings.output_spread,
+        random.Random(settings.seed),
+    )
+    client = Client(
+        settings.num_requests,
+        settings.concurrency,
+        settings.request_rate,
+        settings.jitter_ms / 1000.0,
+        random.Random(settings.seed + 1),
+    )
+    acceptance = AcceptanceModel(
+        settings.num_requests, profile.acceptance_rate_mean, profile.acceptance_rate_spread, settings.seed + 2
+    )
     noise = random.Random(settings.seed + 3)
-    router = make_router(settings.router, settings.dp_size, cluster.counts,
-                         profile.coordinator_publish_ms / 1000.0)
+    router = make_router(settings.router, settings.dp_size, cluster.counts, profile.coordinator_publish_ms / 1000.0)
     recorder = RunRecorder(settings.num_requests)
-    max_iterations = MAX_STEPS_PER_OUTPUT_TOKEN * settings.num_requests * (
-        settings.output_tokens + settings.prompt_tokens) // max(settings.max_num_seqs, 1) + 1000
+    max_iterations = (
+        MAX_STEPS_PER_OUTPUT_TOKEN
+        * settings.num_requests
+        * (settings.output_tokens + settings.prompt_tokens)
+        // max(settings.max_num_seqs, 1)
+        + 1000
+    )
     depth = 2 if profile.async_scheduling else 1
 
     def accepted(request_id: str, drafts: int) -> int:
@@ -87,7 +111,8 @@ def run(settings: SimSettings, profile: CostProfile, arm: Arm, model_dir: Path |
         if iterations > max_iterations:
             raise SimulationStuck(
                 f"{remaining} requests unfinished after {iterations} iterations "
-                f"(running per rank: {cluster.running()}, gate closed: {cluster.gate_closed()})")
+                f"(running per rank: {cluster.running()}, gate closed: {cluster.gate_closed()})"
+            )
         if not cluster.has_requests() and not queue:
             if step_counter % WAVE_CHECK_STEPS:
                 # Idle ranks keep running dummy batches until the wave check.
@@ -128,8 +153,11 @@ def run(settings: SimSettings, profile: CostProfile, arm: Arm, model_dir: Path |
         cluster.gather()
         step_counter += 1
         router.observe(now)
-    counters = {"gated_rank_steps": cluster.gated_steps(),
-                "deferred_rank_steps": cluster.deferred_steps(), "dummy_steps": dummy_steps}
+    counters = {
+        "gated_rank_steps": cluster.gated_steps(),
+        "deferred_rank_steps": cluster.deferred_steps(),
+        "dummy_steps": dummy_steps,
+    }
     result = recorder.result(settings.dp_size, counters, time.perf_counter() - started)
     result.summary["sim_cpu_s"] = time.process_time() - cpu_started
     return result

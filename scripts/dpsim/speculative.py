@@ -35,4 +35,4 @@ class AcceptanceModel:
     @staticmethod
     def mean_tokens_per_step(rate: float, drafts: int) -> float:
         """Expected tokens a request gains per decode step: 1 + a + a^2 + ... + a^k."""
-        return sum(rate ** i for i in range(drafts + 1))
+        return sum(rate**i for i in range(drafts + 1))

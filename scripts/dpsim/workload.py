@@ -27,19 +27,22 @@ def spread_range(mean: int, spread: float) -> tuple[int, int]:
     return low, max(low, round(mean * (1.0 + spread)))
 
 
-def sample_shapes(count: int, prompt_tokens: int, output_tokens: int, prompt_spread: float,
-                  output_spread: float, rng: random.Random) -> list[RequestShape]:
+def sample_shapes(
+    count: int, prompt_tokens: int, output_tokens: int, prompt_spread: float, output_spread: float, rng: random.Random
+) -> list[RequestShape]:
     prompt_low, prompt_high = spread_range(prompt_tokens, prompt_spread)
     output_low, output_high = spread_range(output_tokens, output_spread)
-    return [RequestShape(rng.randint(prompt_low, prompt_high), rng.randint(output_low, output_high))
-            for _ in range(count)]
+    return [
+        RequestShape(rng.randint(prompt_low, prompt_high), rng.randint(output_low, output_high)) for _ in range(count)
+    ]
 
 
 class Client:
     """Issue times of requests ``0..count-1``, in order, as the serving side sees them."""
 
-    def __init__(self, count: int, concurrency: int | None, request_rate: float | None,
-                 jitter_s: float, rng: random.Random) -> None:
+    def __init__(
+        self, count: int, concurrency: int | None, request_rate: float | None, jitter_s: float, rng: random.Random
+    ) -> None:
         if concurrency is None and request_rate is None:
             raise ValueError("a client needs a concurrency limit, a request rate, or both")
         self._count = count

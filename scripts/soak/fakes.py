@@ -81,14 +81,19 @@ class FakeExecutor:
             if admitted:
                 self.gate_violations.append(
                     f"step {self.steps}: admitted {admitted} with balance_queue "
-                    f"{[int(t.item()) for t in scheduler.balance_queue]}")
+                    f"{[int(t.item()) for t in scheduler.balance_queue]}"
+                )
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN]
-                   for r in req_ids]
+        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN] for r in req_ids]
         output = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-            pooler_output=[], kv_connector_output=self._kv_output())
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=self._kv_output(),
+        )
         future: Future = Future()
         future.set_result(output)
         return future

@@ -32,12 +32,12 @@ class Wave:
     idle_gap_s: list[float] = field(default_factory=list)  # per rank, before the burst
 
 
-def _spec(rng: random.Random, name: str, index: int, rank: int, *, long: bool = False,
-          blocked: str = "") -> RequestSpec:
+def _spec(
+    rng: random.Random, name: str, index: int, rank: int, *, long: bool = False, blocked: str = ""
+) -> RequestSpec:
     prompt = rng.randrange(48, 200) if long else rng.randrange(4, 64)
     max_tokens = rng.randrange(24, 64) if long else rng.randrange(1, 24)
-    return RequestSpec(f"{name}-{index}", rank, prompt, max_tokens, blocked,
-                       rng.randrange(1, 40) if blocked else 0)
+    return RequestSpec(f"{name}-{index}", rank, prompt, max_tokens, blocked, rng.randrange(1, 40) if blocked else 0)
 
 
 def _gaps(rng: random.Random, dp: int, longest: float = 0.05) -> list[float]:
@@ -95,8 +95,7 @@ def build_plan(scenario: str, dp: int, requests: int, seed: int) -> list[Wave]:
         count = max(1, requests // 25)
         waves = [Wave(idle_gap_s=_gaps(rng, dp)) for _ in range(count)]
         for i in range(requests):
-            spec = RequestSpec(f"{name}-{i}", rng.randrange(dp), rng.randrange(1, 300),
-                               rng.randrange(1, 80))
+            spec = RequestSpec(f"{name}-{i}", rng.randrange(dp), rng.randrange(1, 300), rng.randrange(1, 80))
             wave = waves[rng.randrange(count)]
             if rng.random() < 0.3:
                 wave.burst.append(spec)

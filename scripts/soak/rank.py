@@ -28,9 +28,18 @@ from typing import Any
 from soak.plan import RequestSpec, Wave, build_plan, split_requests
 
 
-def rank_main(rank: int, dp: int, port: int, configs: dict[str, Any], scenarios: list[str],
-              requests: int, seed: int, result_path: str, stock: bool = False,
-              stall: bool = False) -> None:
+def rank_main(
+    rank: int,
+    dp: int,
+    port: int,
+    configs: dict[str, Any],
+    scenarios: list[str],
+    requests: int,
+    seed: int,
+    result_path: str,
+    stock: bool = False,
+    stall: bool = False,
+) -> None:
     """Process entry: run every scenario, write a JSON result (or the error) to result_path.
 
     ``stock``: this rank runs vLLM's own ``DPEngineCoreProc`` (a node without balance scheduling).
@@ -49,8 +58,9 @@ def rank_main(rank: int, dp: int, port: int, configs: dict[str, Any], scenarios:
     os._exit(0)
 
 
-def _run(rank: int, dp: int, port: int, configs: dict[str, Any], scenarios: list[str],
-         requests: int, seed: int, stock: bool) -> dict[str, Any]:
+def _run(
+    rank: int, dp: int, port: int, configs: dict[str, Any], scenarios: list[str], requests: int, seed: int, stock: bool
+) -> dict[str, Any]:
     from vllm.config import ParallelConfig
     from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
     from vllm.plugins import load_general_plugins
@@ -82,15 +92,13 @@ def _run(rank: int, dp: int, port: int, configs: dict[str, Any], scenarios: list
     for scenario, count in split_requests(scenarios, requests).items():
         config = configs["kv" if scenario == "blocked" else "plain"]
         plan = build_plan(scenario, dp, count, seed)
-        result["scenarios"][scenario] = _run_scenario(rank, dp, config, plan,
-                                                      group_owner.dp_group)
+        result["scenarios"][scenario] = _run_scenario(rank, dp, config, plan, group_owner.dp_group)
     result["run_seconds"] = round(time.monotonic() - started, 1)
     stateless_destroy_torch_distributed_process_group(group_owner.dp_group)
     return result
 
 
-def make_engine_core(config: Any, scheduler: Any, executor: Any, dp_group: Any,
-                      rank: int) -> Any:
+def make_engine_core(config: Any, scheduler: Any, executor: Any, dp_group: Any, rank: int) -> Any:
     from vllm.v1.engine.core import EngineShutdownState
 
     from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
@@ -166,8 +174,7 @@ def _request(spec: RequestSpec, executor: Any) -> Any:
     return request
 
 
-def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave],
-                  dp_group: Any) -> dict[str, Any]:
+def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave], dp_group: Any) -> dict[str, Any]:
     from offline_vllm import build_scheduler
     from vllm.v1.engine import EngineCoreRequestType
 
@@ -192,8 +199,7 @@ def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave],
         for spec in specs:
             if spec.rank == rank:
                 submitted.append(spec.request_id)
-                core._handle_client_request(EngineCoreRequestType.ADD,
-                                            (_request(spec, executor), core.current_wave))
+                core._handle_client_request(EngineCoreRequestType.ADD, (_request(spec, executor), core.current_wave))
 
     def collect_outputs() -> None:
         while not core.output_queue.empty():
@@ -211,8 +217,7 @@ def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave],
         deliver(carry + wave.burst)
         carry = []
         # The coordinator's wave start, as vLLM's DP coordinator broadcasts it to every engine.
-        core._handle_client_request(EngineCoreRequestType.START_DP_WAVE,
-                                    (core.current_wave, -1))
+        core._handle_client_request(EngineCoreRequestType.START_DP_WAVE, (core.current_wave, -1))
         step = 0
         while True:  # one iteration of DPEngineCoreProc.run_busy_loop
             deliver(wave.mid.get(step, []))  # 1) the input queue
@@ -229,10 +234,15 @@ def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave],
         carry = [spec for at, specs in sorted(wave.mid.items()) if at > step for spec in specs]
 
     return {
-        "submitted": submitted, "finished": finished, "gathers": gathers,
-        "wave_steps": wave_steps, "digest": digest.hexdigest(),
+        "submitted": submitted,
+        "finished": finished,
+        "gathers": gathers,
+        "wave_steps": wave_steps,
+        "digest": digest.hexdigest(),
         "own_slot_mismatches": own_slot_mismatches,
         "gate_violations": executor.gate_violations[:5],
-        "gated_steps": executor.gated_steps, "balance_gated_steps": scheduler.balance_gated_steps,
-        "dummy_steps": executor.dummy_steps, "left_in_scheduler": scheduler.get_num_unfinished_requests(),
+        "gated_steps": executor.gated_steps,
+        "balance_gated_steps": scheduler.balance_gated_steps,
+        "dummy_steps": executor.dummy_steps,
+        "left_in_scheduler": scheduler.get_num_unfinished_requests(),
     }

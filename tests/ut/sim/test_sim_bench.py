@@ -10,8 +10,7 @@ import vllm.v1.core.sched.scheduler as vllm_scheduler_module
 from vllm.v1.engine.core import EngineCoreProc
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None,
-                    reason="the vllm-ascend wheel is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None, reason="the vllm-ascend wheel is not installed")
 def test_released_copy_loads_without_rebinding_vllm() -> None:
     scheduler_before = vllm_scheduler_module.Scheduler
     run_before = EngineCoreProc.__dict__["run_engine_core"]

@@ -12,19 +12,33 @@ from dpsim.settings import Arm, SimSettings
 from dpsim.simulation import run
 from dpsim.workload import RequestShape
 
-PLAIN = profile_from_dict(
-    {"step_overhead_ms": 20, "decode_ms_per_request": 1, "prefill_ms_per_token": 0.05})
-MTP = with_values(PLAIN, {"num_speculative_tokens": 3, "acceptance_rate_mean": 0.6,
-                          "acceptance_rate_spread": 0.4}, "test")
+PLAIN = profile_from_dict({"step_overhead_ms": 20, "decode_ms_per_request": 1, "prefill_ms_per_token": 0.05})
+MTP = with_values(
+    PLAIN, {"num_speculative_tokens": 3, "acceptance_rate_mean": 0.6, "acceptance_rate_spread": 0.4}, "test"
+)
 # One wave of identical requests, all sent at once, one rank: only MTP can tell them apart.
-ONE_WAVE = SimSettings(dp_size=1, max_num_seqs=8, max_num_batched_tokens=512, num_requests=8,
-                       concurrency=8, prompt_tokens=40, output_tokens=60, router="round-robin")
+ONE_WAVE = SimSettings(
+    dp_size=1,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    num_requests=8,
+    concurrency=8,
+    prompt_tokens=40,
+    output_tokens=60,
+    router="round-robin",
+)
 NO_DRAFTS = lambda request_id, drafts: 0  # noqa: E731
 
 
 def _cluster(model: Path, **kwargs: object) -> LockstepCluster:
-    options = {"dp_size": 1, "max_num_seqs": 8, "max_num_batched_tokens": 256,
-               "max_model_len": 300, "balance": False, **kwargs}
+    options = {
+        "dp_size": 1,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 300,
+        "balance": False,
+        **kwargs,
+    }
     return LockstepCluster(model, **options)  # type: ignore[arg-type]
 
 
@@ -35,17 +49,16 @@ def test_fixed_lengths_with_acceptance_spread_finish_at_different_steps(tiny_mod
     assert len(set(with_mtp.finish_step)) > 3
     assert max(with_mtp.finish_step) < without.finish_step[0]  # k+1 tokens per step at most
     assert with_mtp.summary["tokens_per_chunk"] > 1.5
-    no_spread = with_values(MTP, {"acceptance_rate_spread": 0.0, "acceptance_rate_mean": 1.0},
-                            "test")
+    no_spread = with_values(MTP, {"acceptance_rate_spread": 0.0, "acceptance_rate_mean": 1.0}, "test")
     all_accepted = run(ONE_WAVE, no_spread, Arm("off", False), model_dir=tiny_model)
     assert len(set(all_accepted.finish_step)) == 1
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_mtp_decodes_carry_k_plus_one_tokens_in_the_shared_budget(tiny_model: Path,
-                                                                   async_scheduling: bool) -> None:
-    cluster = _cluster(tiny_model, num_speculative_tokens=3, async_scheduling=async_scheduling,
-                       max_num_batched_tokens=100)
+def test_mtp_decodes_carry_k_plus_one_tokens_in_the_shared_budget(tiny_model: Path, async_scheduling: bool) -> None:
+    cluster = _cluster(
+        tiny_model, num_speculative_tokens=3, async_scheduling=async_scheduling, max_num_batched_tokens=100
+    )
     scheduler = cluster.schedulers[0]
     for index in range(4):
         scheduler.add_request(sim_request(str(index), RequestShape(10, 50), 0.0))
@@ -81,8 +94,16 @@ def test_rejected_drafts_are_rolled_back_by_vllm(tiny_model: Path) -> None:
 
 def _first_token_step(tiny_model: Path, async_scheduling: bool) -> int:
     """Cap 1, two 3-token requests: the iteration in which the second one gets its first token."""
-    settings = SimSettings(dp_size=1, max_num_seqs=1, max_num_batched_tokens=64, num_requests=2,
-                           concurrency=2, prompt_tokens=8, output_tokens=3, router="round-robin")
+    settings = SimSettings(
+        dp_size=1,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        num_requests=2,
+        concurrency=2,
+        prompt_tokens=8,
+        output_tokens=3,
+        router="round-robin",
+    )
     profile = with_values(PLAIN, {"async_scheduling": async_scheduling}, "test")
     result = run(settings, profile, Arm("off", False), model_dir=tiny_model)
     return result.finish_step[1] - 2  # finished after its 3 tokens, one per step
@@ -158,8 +179,7 @@ def test_saturated_rank_stops_deferring(tiny_model: Path) -> None:
 def test_balance_and_interval_compose(tiny_model: Path) -> None:
     """Balance + interval: a throttled step is deferred whatever the gate says, and a gated
     step does not count as one that ran the admission block."""
-    cluster = _cluster(tiny_model, balance=True, dp_size=2, prefill_schedule_interval=2,
-                       max_num_seqs=2)
+    cluster = _cluster(tiny_model, balance=True, dp_size=2, prefill_schedule_interval=2, max_num_seqs=2)
     first, second = cluster.schedulers
     for index in range(3):
         first.add_request(sim_request(str(index), RequestShape(8, 20), 0.0))

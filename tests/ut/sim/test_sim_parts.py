@@ -34,8 +34,12 @@ def test_cost_model_prices_the_slowest_rank() -> None:
 def test_mechanisms_default_off() -> None:
     """A profile with the three coefficients alone means plain decoding, sync, 100 ms stats."""
     profile = profile_from_dict(PROFILE)
-    assert (profile.num_speculative_tokens, profile.async_scheduling, profile.step_noise_cv,
-            profile.coordinator_publish_ms) == (0, False, 0.0, 100.0)
+    assert (
+        profile.num_speculative_tokens,
+        profile.async_scheduling,
+        profile.step_noise_cv,
+        profile.coordinator_publish_ms,
+    ) == (0, False, 0.0, 100.0)
 
 
 def test_step_noise_is_per_rank_and_seeded() -> None:
@@ -50,13 +54,16 @@ def test_step_noise_is_per_rank_and_seeded() -> None:
     assert noisy.step_s([5.0, 0.0], random.Random(7)) == noisy.step_s([5.0, 0.0], random.Random(7))
 
 
-@pytest.mark.parametrize("update, message", [
-    ({"num_speculative_tokens": 2}, "needs acceptance_rate_mean"),
-    ({"num_speculative_tokens": 1.5, "acceptance_rate_mean": 0.5}, "must be an integer"),
-    ({"acceptance_rate_mean": 1.2}, "must be finite and in [0, 1]"),
-    ({"async_scheduling": 1}, "must be true or false"),
-    ({"coordinator_publish_ms": -1}, "must be finite and >= 0"),
-])
+@pytest.mark.parametrize(
+    "update, message",
+    [
+        ({"num_speculative_tokens": 2}, "needs acceptance_rate_mean"),
+        ({"num_speculative_tokens": 1.5, "acceptance_rate_mean": 0.5}, "must be an integer"),
+        ({"acceptance_rate_mean": 1.2}, "must be finite and in [0, 1]"),
+        ({"async_scheduling": 1}, "must be true or false"),
+        ({"coordinator_publish_ms": -1}, "must be finite and >= 0"),
+    ],
+)
 def test_mechanism_parameters_are_checked(update: dict, message: str) -> None:
     with pytest.raises(ProfileError, match=re.escape(message)):
         profile_from_dict({**PROFILE, **update})
@@ -123,14 +130,15 @@ def test_cadence_defers_only_with_a_decode_and_no_saturation() -> None:
 
 def test_set_and_sweep_reach_profile_and_settings(tmp_path: Path) -> None:
     profile = profile_from_dict(PROFILE)
-    settings, changed = apply(SimSettings(), profile, {
-        "acceptance_rate_spread": "0.3", "max_num_seqs": "16", "async_scheduling": "true",
-        "request_rate": "none"})
+    settings, changed = apply(
+        SimSettings(),
+        profile,
+        {"acceptance_rate_spread": "0.3", "max_num_seqs": "16", "async_scheduling": "true", "request_rate": "none"},
+    )
     assert changed.acceptance_rate_spread == 0.3 and changed.async_scheduling is True
     assert settings.max_num_seqs == 16 and settings.request_rate is None
     assert with_values(profile, {"step_noise_cv": 0.1}, "x").step_noise_cv == 0.1
-    assert parse_sweep("prefill_ms_per_token=0.1, 0.2,0.3") == (
-        "prefill_ms_per_token", ["0.1", "0.2", "0.3"])
+    assert parse_sweep("prefill_ms_per_token=0.1, 0.2,0.3") == ("prefill_ms_per_token", ["0.1", "0.2", "0.3"])
     with pytest.raises(ParamError, match="unknown parameter 'nope'"):
         apply(SimSettings(), profile, {"nope": "1"})
     with pytest.raises(ParamError, match="max_num_seqs: expected int"):
@@ -228,14 +236,15 @@ def test_a_prefill_step_costs_every_rank_its_graph() -> None:
 
 def _linear_run() -> Any:
     """A fake baseline run whose figures are linear in the costs (what a closed loop gives)."""
+
     def run_off(profiles: list[CostProfile]) -> list[dict[str, float]]:
         out = []
         for p in profiles:
             tpot = 0.5 * p.step_overhead_ms + 300 * p.prefill_ms_per_token
             ttft = 10 * p.step_overhead_ms + 40000 * p.prefill_ms_per_token
-            out.append({"tpot_mean_ms": tpot, "ttft_mean_ms": ttft,
-                        "output_tok_s": 1e5 / tpot, "request_s": 1.0})
+            out.append({"tpot_mean_ms": tpot, "ttft_mean_ms": ttft, "output_tok_s": 1e5 / tpot, "request_s": 1.0})
         return out
+
     return run_off
 
 
@@ -244,11 +253,11 @@ def test_calibration_fits_the_knob_and_scale_on_the_baseline_only() -> None:
 
     base = profile_from_dict({**PROFILE, "step_overhead_ms": 100, "decode_ms_per_request": 1})
     # Truth: overhead 60 (scale 0.6), prefill 0.2 ms/token.
-    targets = {"tpot_mean_ms": 0.5 * 60 + 300 * 0.2, "ttft_mean_ms": 10 * 60 + 40000 * 0.2,
-               "output_tok_s": 1.0}
+    targets = {"tpot_mean_ms": 0.5 * 60 + 300 * 0.2, "ttft_mean_ms": 10 * 60 + 40000 * 0.2, "output_tok_s": 1.0}
     lines: list[str] = []
-    fitted, summary = calibrate(base, targets, ("tpot_mean_ms", "ttft_mean_ms"),
-                                "prefill_ms_per_token", _linear_run(), lines.append)
+    fitted, summary = calibrate(
+        base, targets, ("tpot_mean_ms", "ttft_mean_ms"), "prefill_ms_per_token", _linear_run(), lines.append
+    )
     assert fitted.step_overhead_ms == pytest.approx(60, rel=1e-3)
     assert fitted.decode_ms_per_request == pytest.approx(0.6, rel=1e-3)  # ratio kept
     assert fitted.prefill_ms_per_token == pytest.approx(0.2, rel=1e-3)
@@ -261,6 +270,11 @@ def test_calibration_refuses_what_no_cost_can_reach() -> None:
 
     base = profile_from_dict(PROFILE)
     with pytest.raises(ValueError, match="no positive costs reach the targets"):
-        calibrate(base, {"tpot_mean_ms": 10.0, "ttft_mean_ms": 1.0},
-                  ("tpot_mean_ms", "ttft_mean_ms"), "prefill_ms_per_token",
-                  _linear_run(), lambda line: None)
+        calibrate(
+            base,
+            {"tpot_mean_ms": 10.0, "ttft_mean_ms": 1.0},
+            ("tpot_mean_ms", "ttft_mean_ms"),
+            "prefill_ms_per_token",
+            _linear_run(),
+            lambda line: None,
+        )

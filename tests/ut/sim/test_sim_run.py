@@ -25,23 +25,49 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_ascend.core.balance_scheduler import BalanceAsyncScheduler, BalanceScheduler
 
-PROFILE = profile_from_dict(
-    {"step_overhead_ms": 20, "decode_ms_per_request": 1, "prefill_ms_per_token": 0.05})
+PROFILE = profile_from_dict({"step_overhead_ms": 20, "decode_ms_per_request": 1, "prefill_ms_per_token": 0.05})
 OFF, ON = OFF_ON
-TINY = SimSettings(dp_size=2, max_num_seqs=4, max_num_batched_tokens=256, num_requests=16,
-                   concurrency=8, prompt_tokens=60, output_tokens=24, output_spread=0.5,
-                   router="round-robin")
-TINY_ARGS = ["--dp-size", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-             "--num-requests", "12", "--concurrency", "8", "--prompt-tokens", "60",
-             "--output-tokens", "24", "--output-spread", "0.5", "--no-progress",
-             "--set", "prefill_ms_per_token=0.05", "--set", "step_overhead_ms=20",
-             "--set", "decode_ms_per_request=1"]
+TINY = SimSettings(
+    dp_size=2,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    num_requests=16,
+    concurrency=8,
+    prompt_tokens=60,
+    output_tokens=24,
+    output_spread=0.5,
+    router="round-robin",
+)
+TINY_ARGS = [
+    "--dp-size",
+    "2",
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "256",
+    "--num-requests",
+    "12",
+    "--concurrency",
+    "8",
+    "--prompt-tokens",
+    "60",
+    "--output-tokens",
+    "24",
+    "--output-spread",
+    "0.5",
+    "--no-progress",
+    "--set",
+    "prefill_ms_per_token=0.05",
+    "--set",
+    "step_overhead_ms=20",
+    "--set",
+    "decode_ms_per_request=1",
+]
 
 
 def test_compare_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, plot = tmp_path / "out.json", tmp_path / "plot.png"
-    status = simulate_dp.main(TINY_ARGS + ["--compare", "--jobs", "1", "--json", str(out),
-                                           "--plot", str(plot)])
+    status = simulate_dp.main(TINY_ARGS + ["--compare", "--jobs", "1", "--json", str(out), "--plot", str(plot)])
     assert status == 0
     data = json.loads(out.read_text())
     assert set(data) == {"off", "on"}
@@ -60,8 +86,9 @@ def test_compare_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 def test_compare_policies_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, plot = tmp_path / "policies.json", tmp_path / "policies.png"
-    status = simulate_dp.main(TINY_ARGS + ["--compare-policies", "--jobs", "1",
-                                           "--json", str(out), "--plot", str(plot)])
+    status = simulate_dp.main(
+        TINY_ARGS + ["--compare-policies", "--jobs", "1", "--json", str(out), "--plot", str(plot)]
+    )
     assert status == 0
     data = json.loads(out.read_text())
     assert list(data) == [arm.name for arm in POLICIES]
@@ -74,11 +101,9 @@ def test_compare_policies_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert label in header
 
 
-def test_sweep_prints_one_line_per_value(tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_sweep_prints_one_line_per_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep.json"
-    assert simulate_dp.main(TINY_ARGS + ["--sweep", "acceptance_rate_spread=0,0.3",
-                                         "--json", str(out)]) == 0
+    assert simulate_dp.main(TINY_ARGS + ["--sweep", "acceptance_rate_spread=0,0.3", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [entry["value"] for entry in data] == ["0", "0.3"]
     assert data[1]["on"]["profile"]["acceptance_rate_spread"] == 0.3
@@ -106,8 +131,10 @@ def test_parallel_compare_matches_sequential(tmp_path: Path) -> None:
     for jobs in ("1", "2"):
         out = tmp_path / f"{jobs}.json"
         assert simulate_dp.main(TINY_ARGS + ["--compare", "--jobs", jobs, "--json", str(out)]) == 0
-        results[jobs] = {name: {k: v for k, v in s.items() if k not in {"sim_wall_s", "sim_cpu_s"}}
-                         for name, s in json.loads(out.read_text()).items()}
+        results[jobs] = {
+            name: {k: v for k, v in s.items() if k not in {"sim_wall_s", "sim_cpu_s"}}
+            for name, s in json.loads(out.read_text()).items()
+        }
     assert results["1"] == results["2"]
 
 
@@ -118,8 +145,7 @@ def test_symmetric_workload_shows_no_effect(tiny_model: Path) -> None:
     off = run(symmetric, PROFILE, OFF, model_dir=tiny_model).summary
     on = run(symmetric, PROFILE, ON, model_dir=tiny_model).summary
     strip = {"sim_wall_s", "sim_cpu_s", "gated_rank_steps"}
-    assert {k: v for k, v in off.items() if k not in strip} == \
-        {k: v for k, v in on.items() if k not in strip}
+    assert {k: v for k, v in off.items() if k not in strip} == {k: v for k, v in on.items() if k not in strip}
 
 
 def test_asymmetric_workload_batches_admissions(tiny_model: Path) -> None:
@@ -152,21 +178,27 @@ def test_one_function_chooses_the_class() -> None:
 
 @pytest.mark.parametrize("gate, threshold", [("cap", 4), ("cap-1", 3)])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_gate_rule_reaches_the_schedulers(tiny_model: Path, gate: str, threshold: int,
-                                          async_scheduling: bool) -> None:
-    cluster = LockstepCluster(tiny_model, dp_size=2, max_num_seqs=4, max_num_batched_tokens=256,
-                              max_model_len=200, balance=True, gate=gate,
-                              async_scheduling=async_scheduling)
-    assert all(type(s) is scheduler_class(True, async_scheduling, gate)
-               for s in cluster.schedulers)
+def test_gate_rule_reaches_the_schedulers(tiny_model: Path, gate: str, threshold: int, async_scheduling: bool) -> None:
+    cluster = LockstepCluster(
+        tiny_model,
+        dp_size=2,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_model_len=200,
+        balance=True,
+        gate=gate,
+        async_scheduling=async_scheduling,
+    )
+    assert all(type(s) is scheduler_class(True, async_scheduling, gate) for s in cluster.schedulers)
     assert cluster.schedulers[0].balance_gate_threshold == threshold
     cluster.schedulers[1].balance_queue[0].fill_(threshold)
     assert cluster.schedulers[1].balance_gate_closed()
 
 
 def test_lockstep_step_emulates_the_gather(tiny_model: Path) -> None:
-    cluster = LockstepCluster(tiny_model, dp_size=3, max_num_seqs=4, max_num_batched_tokens=256,
-                              max_model_len=200, balance=True)
+    cluster = LockstepCluster(
+        tiny_model, dp_size=3, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=200, balance=True
+    )
     for index in range(4):
         cluster.schedulers[0].add_request(sim_request(str(index), RequestShape(30, 5), 0.0))
     cluster.schedulers[2].add_request(sim_request("9", RequestShape(300 // 3, 5), 0.0))
@@ -187,8 +219,9 @@ def test_lockstep_step_emulates_the_gather(tiny_model: Path) -> None:
 
 
 def test_balance_off_is_vllms_own_scheduler(tiny_model: Path) -> None:
-    cluster = LockstepCluster(tiny_model, dp_size=2, max_num_seqs=4, max_num_batched_tokens=256,
-                              max_model_len=200, balance=False)
+    cluster = LockstepCluster(
+        tiny_model, dp_size=2, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=200, balance=False
+    )
     assert all(type(s) is Scheduler for s in cluster.schedulers)
     cluster.schedulers[0].add_request(sim_request("0", RequestShape(10, 3), 0.0))
     cluster.finish(cluster.schedule(0), lambda request_id, drafts: 0)
@@ -196,19 +229,38 @@ def test_balance_off_is_vllms_own_scheduler(tiny_model: Path) -> None:
     assert not cluster.gate_closed() and cluster.gated_steps() == 0
 
 
-def test_recalibrating_sweep_refits_each_value(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recalibrating_sweep_refits_each_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--sweep ... --recalibrate fits the costs on the baseline row again for every value."""
     preset = simulate_dp.Preset(
-        description="tiny", settings=dataclasses.replace(TINY, num_requests=12),
+        description="tiny",
+        settings=dataclasses.replace(TINY, num_requests=12),
         paper={"off": {"tpot_mean_ms": 60.0, "ttft_mean_ms": 300.0}},
-        calibrate_on=("tpot_mean_ms",))
+        calibrate_on=("tpot_mean_ms",),
+    )
     monkeypatch.setitem(simulate_dp.PRESETS, "tiny", preset)
     out = tmp_path / "sweep.json"
-    status = simulate_dp.main(["--preset", "tiny", "--no-progress", "--jobs", "1",
-                               "--sweep", "step_noise_cv=0,0.1", "--recalibrate",
-                               "--set", "step_overhead_ms=20", "--set", "decode_ms_per_request=1",
-                               "--set", "prefill_ms_per_token=0.05", "--json", str(out)])
+    status = simulate_dp.main(
+        [
+            "--preset",
+            "tiny",
+            "--no-progress",
+            "--jobs",
+            "1",
+            "--sweep",
+            "step_noise_cv=0,0.1",
+            "--recalibrate",
+            "--set",
+            "step_overhead_ms=20",
+            "--set",
+            "decode_ms_per_request=1",
+            "--set",
+            "prefill_ms_per_token=0.05",
+            "--json",
+            str(out),
+        ]
+    )
     assert status == 0
     data = json.loads(out.read_text())
     for entry in data:
