@@ -60,12 +60,8 @@ VOCAB = ["<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(125)]
 BLOCK_SIZE = 16
 
 
-def write_tiny_model(directory: Path, moe: bool = False) -> Path:
-    """A Llama-shaped (or Mixtral-shaped, ``moe=True``) model directory with a tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    directory.mkdir(parents=True, exist_ok=True)
+def tiny_model_config(vocab_size: int, moe: bool) -> dict[str, Any]:
+    """A Llama-shaped (or Mixtral-shaped) ``config.json`` small enough for CPU tests."""
     config: dict[str, Any] = {
         "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
         "model_type": "mixtral" if moe else "llama",
@@ -74,7 +70,7 @@ def write_tiny_model(directory: Path, moe: bool = False) -> Path:
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "vocab_size": len(VOCAB),
+        "vocab_size": vocab_size,
         "max_position_embeddings": 4096,
         "bos_token_id": 0,
         "eos_token_id": EOS_TOKEN_ID,
@@ -83,6 +79,16 @@ def write_tiny_model(directory: Path, moe: bool = False) -> Path:
     }
     if moe:
         config.update({"num_local_experts": 4, "num_experts_per_tok": 2})
+    return config
+
+
+def write_tiny_model(directory: Path, moe: bool = False) -> Path:
+    """A Llama-shaped (or Mixtral-shaped, ``moe=True``) model directory with a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_model_config(len(VOCAB), moe)
     (directory / "config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()

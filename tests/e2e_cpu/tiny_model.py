@@ -14,6 +14,8 @@ import json
 import string
 from pathlib import Path
 
+from offline_vllm import tiny_model_config  # the same model shape as the unit tests' (pytest.ini's pythonpath)
+
 SPECIALS = ["<pad>", "</s>", "<unk>"]
 EOS_TOKEN_ID = 1
 VOCAB = SPECIALS + [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
@@ -25,23 +27,7 @@ def write_tiny_moe_model(directory: Path) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": len(VOCAB),
-        "max_position_embeddings": 4096,
-        "bos_token_id": 0,
-        "eos_token_id": EOS_TOKEN_ID,
-        "torch_dtype": "float32",
-        "rms_norm_eps": 1e-5,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-    }
+    config = tiny_model_config(len(VOCAB), moe=True)
     (directory / "config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
