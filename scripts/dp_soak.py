@@ -18,8 +18,9 @@ own gathered slot is not its running count, or a request admitted while the gate
 
 runs the given ranks as stock vLLM (a node without balance scheduling): the start-up agreement
 must refuse the group on every balanced rank and every process must exit. The summary is then
-``{"stock_ranks", "refused", "refusals", "seconds_to_last_exit", "stock_failed_after_s", "hung",
-"ok", "problems"}`` (``VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S`` bounds the agreement's wait).
+``{"stock_ranks", "refused", "refusals", "seconds_to_last_exit", "stock_failed_after_s" (from the
+first balanced rank's exit to the last stock rank's failure), "hung", "ok", "problems"}``
+(``VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S`` bounds the agreement's wait).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def summarize_mismatch(results: list[dict[str, Any] | None], stock_ranks: list[i
         "refused": refused,
         "refusals": refusals,
         "seconds_to_last_exit": None,
-        "stock_failed_after_s": round(max(stock_ended) - max(balanced_ended), 2)
+        "stock_failed_after_s": round(max(stock_ended) - min(balanced_ended), 2)
         if stock_ended and balanced_ended
         else None,
         "hung": bool(hung),

@@ -154,9 +154,9 @@ def test_a_rank_without_balance_scheduling_fails_every_rank_fast(
     # The stock rank waited in vLLM's first all_reduce of its busy loop: it fails when its balanced peers exit.
     stock = outcomes[stock_rank]
     assert "error" in stock and "unfinished" not in stock, stock
-    after = stock["ended"] - max(outcome["ended"] for outcome in balanced)
+    after = stock["ended"] - min(outcome["ended"] for outcome in balanced)
     print(
-        f"dp={dp} stock rank {stock_rank}: failed {after:.2f} s after the last balanced peer exited; "
+        f"dp={dp} stock rank {stock_rank}: failed {after:.2f} s after the first balanced peer exited; "
         f"every process gone {elapsed:.1f} s after start ({stock['error'][:120]})"
     )
 
