@@ -233,10 +233,8 @@ def torch_npu_stubbed_for_import() -> Iterator[None]:
             sys.modules.pop("torch_npu", None)
 
 
-def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) -> ModelRunnerOutput:
-    """One sampled token per scheduled request, none for a request still mid-prefill."""
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [token_id] for r in req_ids]
+def runner_output(req_ids: list[str], sampled: list[list[int]], **extra: Any) -> ModelRunnerOutput:
+    """The model executor's output for ``req_ids``: ``sampled[i]`` are request i's new token ids."""
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -244,7 +242,14 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
+        **extra,
     )
+
+
+def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) -> ModelRunnerOutput:
+    """One sampled token per scheduled request, none for a request still mid-prefill."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return runner_output(req_ids, [[] if scheduler.requests[r].is_prefill_chunk else [token_id] for r in req_ids])
 
 
 def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offline_vllm import build_scheduler, emulate_gather, make_vllm_config, write_tiny_model
+from offline_vllm import build_scheduler, emulate_gather, make_vllm_config, runner_output, write_tiny_model
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request
 
 from dpsim.cadence import PrefillCadence, deferred_prefills
@@ -258,14 +258,7 @@ class LockstepCluster:
             drafts = dict(sampling)
             req_ids = list(output.num_scheduled_tokens)
             sampled = [[TOKEN_ID] * (1 + accepted(r, drafts[r])) if r in drafts else [] for r in req_ids]
-            model_output = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            )
+            model_output = runner_output(req_ids, sampled)
             engine_outputs = scheduler.update_from_output(output, model_output)
             for client_outputs in engine_outputs.values():
                 for out in client_outputs.outputs:

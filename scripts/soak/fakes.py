@@ -16,7 +16,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from offline_vllm import runner_output
+from vllm.v1.outputs import KVConnectorOutput
 
 SAMPLED_TOKEN = 5
 
@@ -85,15 +86,7 @@ class FakeExecutor:
                 )
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = [[] if scheduler.requests[r].is_prefill_chunk else [SAMPLED_TOKEN] for r in req_ids]
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-            kv_connector_output=self._kv_output(),
-        )
+        output = runner_output(req_ids, sampled, kv_connector_output=self._kv_output())
         future: Future = Future()
         future.set_result(output)
         return future
