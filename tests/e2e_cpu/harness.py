@@ -34,7 +34,8 @@ import psutil
 HERE = Path(__file__).resolve().parent
 PLUGIN_PATH = HERE / "fake_forward"
 PLUGINS = "ascend_balance_scheduling,balance_fake_forward,balance_gate_check"
-BALANCE_ON = ["--additional-config", json.dumps({"enable_balance_scheduling": True})]
+# vllm-ascend main's documented form, accepted on every line.
+BALANCE_ON = ["--additional-config", json.dumps({"scheduler_config": {"enable_balance_scheduling": True}})]
 
 STARTUP_TIMEOUT_S = float(os.environ.get("BALANCE_E2E_STARTUP_TIMEOUT", "420"))
 REQUEST_TIMEOUT_S = 300.0

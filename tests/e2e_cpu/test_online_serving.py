@@ -3,7 +3,7 @@
 What runs: vLLM's own server (``vllm serve <tiny MoE> --data-parallel-size 2
 --enable-expert-parallel``: API server, DP coordinator, ZMQ, two ``DPEngineCoreProc`` engine
 cores with the real scheduler and this project's hook), switched on only by
-``--additional-config '{"enable_balance_scheduling": true}'``. Only the model forward is fake
+``--additional-config '{"scheduler_config": {"enable_balance_scheduling": true}}'``. Only the model forward is fake
 (``fake_forward/``: a CPU platform plugin whose worker samples token ids, the grammar bitmask
 honoured). vLLM's benchmark client (``vllm bench serve --dataset-name random``, bounded
 concurrency above DP x ``max_num_seqs``, so ranks reach their cap) sends several bursts separated

@@ -64,10 +64,7 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Logged before construction so every engine-core process states which class it runs,
         # even when a later start-up step fails.
-        logger.info(
-            "Balance scheduling: this DP engine core is %s (one balance_gather per active engine step).",
-            type(self).__qualname__,
-        )
+        logger.info("Balance scheduling: this DP engine core is %s.", type(self).__qualname__)
         self.balance_gathers = 0
         super().__init__(*args, **kwargs)
         if not isinstance(self.scheduler, BalanceSchedulingMixin):
@@ -101,6 +98,7 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
                 self.balance_gathers,
                 self.scheduler.balance_gated_steps,
             )
+        super().shutdown()
 
 
 def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:
@@ -136,8 +134,8 @@ def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> Non
         raise RuntimeError(
             f"Balance scheduling: DP rank {rank} runs balance scheduling, but DP rank(s) {missing} did not announce "
             f"it within {timeout_s:g} s ({AGREEMENT_TIMEOUT_ENV} sets the wait). Every rank must run it, or none: "
-            "the same switch (VLLM_ASCEND_BALANCE_SCHEDULING / additional_config['enable_balance_scheduling']), the "
-            "same package, and 'ascend_balance_scheduling' in VLLM_PLUGINS if set, on every node."
+            "the same switch ('enable_balance_scheduling' in additional_config or VLLM_ASCEND_BALANCE_SCHEDULING), "
+            "the same package, and 'ascend_balance_scheduling' in VLLM_PLUGINS if set, on every node."
         )
     raise RuntimeError(
         f"Balance scheduling: DP rank {rank} has {mine}, but DP rank(s) differ: {differ} ('cap' is max_num_seqs, "

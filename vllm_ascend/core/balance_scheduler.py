@@ -25,19 +25,17 @@ scheduled as usual. Admissions therefore happen together and decode stays steady
 Nothing of vLLM's ``schedule()`` is copied: the gate reaches the admission block through its
 existing guard, ``self._pause_state == PauseState.UNPAUSED``. A gated step runs the inherited
 ``schedule()`` with the state transiently set to ``PAUSED_NEW`` (``balance_seam`` says why that is
-exactly "admit nothing new", and refuses classes where it is not).
+exactly "admit nothing new", and refuses classes where it is not). vLLM's engine changes the pause
+state only between steps, so code running inside a gated step sees ``PAUSED_NEW``; a pause set
+during the step other than ``PAUSED_NEW`` is kept when the step ends.
 
 The class is the decision: a balanced class always gates, vLLM's own classes never do. Which one
 a process builds is decided once, by the wiring (``patch_balance_schedule``).
-
-What code running *inside* a gated step observes: ``self._pause_state`` reads ``PAUSED_NEW`` (so
-e.g. ``get_num_unfinished_requests()`` called from a connector during ``schedule()`` counts only
-running requests); the public ``pause_state`` property keeps reporting the real state. A real
-pause requested during the step through ``set_pause_state`` is kept and wins when the step ends.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -50,7 +48,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_ascend.core.balance_seam import schedule_seam_problems
+from vllm_ascend.core.balance_seam import refusal, schedule_seam_problems
 
 
 class BalanceSchedulingMixin:
@@ -67,7 +65,13 @@ class BalanceSchedulingMixin:
     _pause_state: PauseState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_unsound_scheduler_class(type(self))  # before building anything
+        if problems := schedule_seam_problems(type(self), skip=(BalanceSchedulingMixin,)):
+            raise refusal(
+                f"Balance scheduling cannot gate {type(self).__qualname__}: its schedule() does not honour the "
+                "pause-state seam the gate relies on",
+                problems,
+                "Use a scheduler class that does, or switch balance scheduling off.",
+            )
         super().__init__(*args, **kwargs)
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         # One int32 CPU tensor per DP rank, as upstream (callers index and all_gather into it),
@@ -77,19 +81,11 @@ class BalanceSchedulingMixin:
         self.balance_queue: list[torch.Tensor] = list(self._balance_counts.split(1))
         self.balance_steps = 0
         self.balance_gated_steps = 0
-        self._balance_gate_active = False
-        self._balance_pause_requested: PauseState | None = None
         if dp_size == 1:
+            # Also each engine of a dense model: vLLM runs its DP ranks as independent engines.
             logger.warning_once(
-                "Balance scheduling has no effect with data_parallel_size=1 "
-                "(nothing to balance); the scheduler runs as stock vLLM."
-            )
-        else:
-            logger.info_once(
-                "Balance scheduling on: %s over %d DP ranks, cap max_num_seqs=%d.",
-                type(self).__qualname__,
-                dp_size,
-                self.max_num_running_reqs,
+                "Balance scheduling has no effect with data_parallel_size=1 (nothing to balance; dense models run "
+                "each DP rank as an independent engine); the scheduler runs as stock vLLM."
             )
 
     @property
@@ -121,39 +117,11 @@ class BalanceSchedulingMixin:
         self.balance_gated_steps += 1
         # Set directly: set_pause_state is the public "real pause" API (and logs in newer vLLM).
         self._pause_state = PauseState.PAUSED_NEW
-        self._balance_gate_active = True
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self._balance_gate_active = False
-            requested, self._balance_pause_requested = self._balance_pause_requested, None
-            if requested is not None:
-                self._pause_state = requested
-            elif self._pause_state == PauseState.PAUSED_NEW:
+            if self._pause_state == PauseState.PAUSED_NEW:
                 self._pause_state = PauseState.UNPAUSED
-
-    def set_pause_state(self, pause_state: PauseState) -> None:
-        super().set_pause_state(pause_state)  # type: ignore[misc]
-        if self._balance_gate_active:
-            # Remember it so the gate's restore at the end of the step cannot lose it.
-            self._balance_pause_requested = pause_state
-
-    @property
-    def pause_state(self) -> PauseState:
-        if self._balance_gate_active and self._balance_pause_requested is None:
-            return PauseState.UNPAUSED
-        return self._pause_state
-
-
-def _refuse_unsound_scheduler_class(scheduler_cls: type) -> None:
-    problems = schedule_seam_problems(scheduler_cls, skip=(BalanceSchedulingMixin,))
-    if problems:
-        raise RuntimeError(
-            f"Balance scheduling cannot gate {scheduler_cls.__qualname__}: its schedule() does "
-            "not honour the pause-state seam the gate relies on:\n  - "
-            + "\n  - ".join(problems)
-            + "\nUse a scheduler class that does, or switch balance scheduling off."
-        )
 
 
 class BalanceScheduler(BalanceSchedulingMixin, Scheduler):
@@ -164,21 +132,11 @@ class BalanceAsyncScheduler(BalanceSchedulingMixin, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` (the default with async scheduling) with balance scheduling."""
 
 
-_BALANCED_CLASSES: dict[type, type] = {Scheduler: BalanceScheduler, AsyncScheduler: BalanceAsyncScheduler}
-
-
+@functools.cache
 def balance_scheduler_class(base: type) -> type:
     """The balanced version of ``base`` (whatever vLLM's config resolved), created once."""
     if issubclass(base, BalanceSchedulingMixin):
         return base
-    if base not in _BALANCED_CLASSES:
-        _BALANCED_CLASSES[base] = type(
-            f"Balance{base.__name__}",
-            (BalanceSchedulingMixin, base),
-            {
-                "__module__": __name__,
-                "__qualname__": f"Balance{base.__qualname__}",
-                "__doc__": f"{base.__qualname__} with balance scheduling (BalanceSchedulingMixin).",
-            },
-        )
-    return _BALANCED_CLASSES[base]
+    known = {Scheduler: BalanceScheduler, AsyncScheduler: BalanceAsyncScheduler}
+    namespace = {"__module__": __name__, "__doc__": f"{base.__qualname__} with balance scheduling."}
+    return known.get(base) or type(f"Balance{base.__name__}", (BalanceSchedulingMixin, base), namespace)

@@ -77,10 +77,10 @@ def test_admission_only_under_the_unpaused_guard(scheduler_cls: type) -> None:
 
 
 def test_upstream_schedule_has_admission_sites_to_guard() -> None:
-    report = inspect_schedule(Scheduler)
+    shape = inspect_schedule(Scheduler)
     # 0.18.0 has peeks/pops of the waiting queues, the queue selector and running.append.
-    assert report.admission_sites >= 3, (
-        f"SEAM MOVED: only {report.admission_sites} admission sites found in "
+    assert shape.admissions >= 3, (
+        f"SEAM MOVED: only {shape.admissions} admission sites found in "
         "Scheduler.schedule(); admission may have moved into a helper the check cannot see"
     )
 

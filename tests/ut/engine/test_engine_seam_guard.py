@@ -25,13 +25,19 @@ altered copy of the source to prove it can fail.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import vllm.v1.engine.core as engine_core_module
 import vllm.v1.engine.utils as engine_utils_module
+from offline_vllm import build_scheduler, make_vllm_config
+from pytest_mock import MockerFixture
+from vllm.logger import logger
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 
 from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend.core.balance_seam import engine_seam_problems
 
 CORE = inspect.getsource(engine_core_module)
@@ -64,6 +70,22 @@ def test_the_hook_extends_the_dp_set_up_and_the_gather_site_and_only_reports_at_
         "local_unfinished",
     ]
     assert list(inspect.signature(DPEngineCoreProc.shutdown).parameters) == ["self"]
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+def test_shutdown_reports_the_gate_then_shuts_vllm_down(
+    mocker: MockerFixture, tiny_moe_model: Path, balanced: bool
+) -> None:
+    engine = object.__new__(BalanceDPEngineCoreProc)  # only what shutdown() reads: no engine start-up
+    config = make_vllm_config(tiny_moe_model, dp_size=2)
+    engine.scheduler = build_scheduler(BalanceScheduler if balanced else Scheduler, config)
+    engine.dp_rank, engine.balance_gathers = 1, 7
+    vllm_shutdown = mocker.patch.object(DPEngineCoreProc, "shutdown")
+    info = mocker.spy(logger, "info")
+    engine.shutdown()
+    vllm_shutdown.assert_called_once_with()
+    stats = [call.args for call in info.call_args_list if call.args[0].startswith("Balance scheduling stats")]
+    assert stats == ([(stats[0][0], 1, 0, 7, 0)] if balanced else [])
 
 
 def test_run_engine_core_is_what_the_launcher_pickles() -> None:
@@ -138,9 +160,7 @@ def test_install_refuses_when_a_seam_moved(balance_on: None, monkeypatch: pytest
 
     from vllm_ascend.core import balance_seam
 
-    monkeypatch.setattr(
-        balance_seam, "installed_engine_seam_problems", lambda: ("DPEngineCoreProc.run_busy_loop is gone",)
-    )
+    monkeypatch.setattr(balance_seam, "engine_seam_problems", lambda: ["DPEngineCoreProc.run_busy_loop is gone"])
     with pytest.raises(RuntimeError, match="no longer offers the seam"):
         patch_balance_schedule.install_engine_route()
     assert EngineCoreProc.run_engine_core is not patch_balance_schedule.run_engine_core

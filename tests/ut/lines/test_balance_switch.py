@@ -20,9 +20,9 @@ from vllm_ascend_balance import patch_balance_schedule as wiring
 from vllm_ascend_balance.patch_balance_schedule import (
     BALANCE_SCHEDULING_CONFIG_KEY,
     BALANCE_SCHEDULING_ENV,
-    config_balance_switch,
     decide,
     recorded_decision,
+    switches,
 )
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
@@ -68,6 +68,87 @@ def test_config_wins_and_env_decides_only_when_config_is_silent(
     assert recorded_decision(config.scheduler_config) is expected
 
 
+@pytest.mark.parametrize(
+    "nested, top_level, env, expected",
+    [
+        (True, False, "0", True),  # the nested key wins over both...
+        (False, True, "1", False),  # ...in both directions
+        (None, True, "0", True),  # then the top-level key
+        (None, None, "1", True),  # then the environment variable
+        (False, None, None, False),
+    ],
+)
+def test_nested_key_wins_over_the_top_level_key_over_the_env(
+    monkeypatch: pytest.MonkeyPatch,
+    config: Any,
+    nested: bool | None,
+    top_level: bool | None,
+    env: str | None,
+    expected: bool,
+) -> None:
+    """vllm-ascend main's precedence, on every line (a user upgrading keeps the same --additional-config)."""
+    if env is None:
+        monkeypatch.delenv(BALANCE_SCHEDULING_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BALANCE_SCHEDULING_ENV, env)
+    additional: dict[str, Any] = {"scheduler_config": {"some_other_option": 1}}
+    if nested is not None:
+        additional["scheduler_config"][BALANCE_SCHEDULING_CONFIG_KEY] = nested
+    if top_level is not None:
+        additional[BALANCE_SCHEDULING_CONFIG_KEY] = top_level
+    config.additional_config = additional
+    assert decide(config) is expected
+
+
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_non_boolean_nested_value_is_a_clear_error(balance_env_unset: None, config: Any, value: Any) -> None:
+    config.additional_config = {"scheduler_config": {BALANCE_SCHEDULING_CONFIG_KEY: value}}
+    with pytest.raises(ValueError, match=r"\['scheduler_config'\]\['enable_balance_scheduling'\].*true and false"):
+        decide(config)
+
+
+def test_a_bad_top_level_value_is_an_error_even_when_the_nested_key_decides(
+    balance_env_unset: None, config: Any
+) -> None:
+    config.additional_config = {
+        "scheduler_config": {BALANCE_SCHEDULING_CONFIG_KEY: True},
+        "enable_balance_scheduling": "no",
+    }
+    with pytest.raises(ValueError, match=r"additional_config\['enable_balance_scheduling'\]='no'"):
+        decide(config)
+
+
+def test_a_scheduler_config_that_is_not_a_mapping_says_nothing(balance_env_unset: None, config: Any) -> None:
+    config.additional_config = {"scheduler_config": "default"}
+    assert switches(config) == [] and decide(config) is False
+
+
+def test_log_names_the_nested_key_without_a_deprecation(
+    balance_env_unset: None, config: Any, mocker: MockerFixture
+) -> None:
+    info = mocker.spy(wiring.logger, "info_once")
+    config.additional_config = {"scheduler_config": {BALANCE_SCHEDULING_CONFIG_KEY: True}}
+    decide(config)
+    text = logged(info)
+    assert "on: set by additional_config['scheduler_config']['enable_balance_scheduling']=True." in text
+    assert "deprecated" not in text
+
+
+def test_nested_conflict_warns_that_the_others_are_ignored(
+    monkeypatch: pytest.MonkeyPatch, config: Any, mocker: MockerFixture
+) -> None:
+    monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
+    warning = mocker.spy(wiring.logger, "warning_once")
+    config.additional_config = {
+        "scheduler_config": {BALANCE_SCHEDULING_CONFIG_KEY: False},
+        "enable_balance_scheduling": True,
+    }
+    assert decide(config) is False
+    assert f"additional_config['enable_balance_scheduling']=True, {BALANCE_SCHEDULING_ENV}=1 is ignored" in logged(
+        warning
+    )
+
+
 def test_a_scheduler_config_never_decided_leaves_only_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
     never_decided = SchedulerConfig(max_model_len=1024, is_encoder_decoder=False)
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
@@ -87,7 +168,7 @@ def test_the_recorded_decision_outlives_the_switches(monkeypatch: pytest.MonkeyP
 def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatch, config: Any) -> None:
     monkeypatch.setenv(BALANCE_SCHEDULING_ENV, "1")
     config.additional_config = {"enable_flashcomm1": False}
-    assert config_balance_switch(config) is None
+    assert switches(config) == [(f"{BALANCE_SCHEDULING_ENV}=1", True)]
     assert decide(config) is True
 
 
@@ -125,7 +206,7 @@ def test_log_names_the_env_and_its_deprecation_when_it_decides(
     info = mocker.spy(wiring.logger, "info_once")
     decide(config)
     text = logged(info)
-    assert f"on: set by {BALANCE_SCHEDULING_ENV}=1" in text and "deprecates" in text
+    assert f"on: set by {BALANCE_SCHEDULING_ENV}=1" in text and "deprecated" in text
 
 
 def test_conflict_warns_that_the_env_is_ignored(

@@ -70,61 +70,51 @@ def register() -> None:
         sys.modules[COPYING_MODULE] = wiring  # vllm-ascend imports its copy under that flag
 
 
-def copied_schedule_classes(cls: type) -> list[type]:
-    """Classes in ``cls``'s MRO that carry vllm-ascend's copied ``schedule()``."""
-    return [klass for klass in cls.__mro__ if klass.__module__ == COPYING_MODULE and "schedule" in klass.__dict__]
-
-
-def vllm_scheduler() -> type:
-    """vLLM's own ``Scheduler``: the class its module defines under that name."""
-    own = f"{vllm_scheduler_module.__name__}.Scheduler"
-    return next(k for k in vllm_scheduler_module.Scheduler.__mro__ if f"{k.__module__}.{k.__qualname__}" == own)
+def _carries_copy(cls: type) -> bool:
+    return any(klass.__module__ == COPYING_MODULE and "schedule" in klass.__dict__ for klass in cls.__mro__)
 
 
 def _copy_free_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) -> Callable[..., type]:
     def get_scheduler_cls(self: SchedulerConfig) -> type:
         if not wiring.recorded_decision(self):
             return original(self)
-        _restore_vllm_schedulers()
+        own = vllm_scheduler_module.__name__
+        genuine = next(
+            k for k in vllm_scheduler_module.Scheduler.__mro__ if (k.__module__, k.__name__) == (own, "Scheduler")
+        )
+        if vllm_scheduler_module.Scheduler is not genuine:
+            logger.info(
+                "Balance scheduling is on: restoring vLLM's Scheduler, which %s rebound to its copy.", COPYING_MODULE
+            )
+            vllm_scheduler_module.Scheduler = genuine
+        async_module = sys.modules.get("vllm.v1.core.sched.async_scheduler")
+        if async_module is not None and _carries_copy(async_module.AsyncScheduler):
+            # Its module was first imported while the global was rebound, so the class inherits the copy;
+            # re-executing the module builds it on vLLM's Scheduler.
+            importlib.reload(async_module)
         resolved = original(self)
-        if not copied_schedule_classes(resolved):
+        if not _carries_copy(resolved):
             return resolved
         if resolved.__module__ != COPYING_MODULE:
             raise RuntimeError(
-                f"Scheduler class {resolved.__module__}.{resolved.__qualname__} is built on "
-                "vllm-ascend's copied schedule(), which balance scheduling replaces; build it on "
-                "vllm.v1.core.sched.scheduler.Scheduler instead."
+                f"Scheduler class {resolved.__module__}.{resolved.__qualname__} is built on vllm-ascend's copied "
+                "schedule(), which balance scheduling replaces; build it on vllm.v1.core.sched.scheduler.Scheduler."
             )
-        return vllm_scheduler()
+        return genuine
 
     return get_scheduler_cls
-
-
-def _restore_vllm_schedulers() -> None:
-    genuine = vllm_scheduler()
-    if vllm_scheduler_module.Scheduler is not genuine:
-        logger.info(
-            "Balance scheduling is on: restoring vLLM's Scheduler, which %s rebound to its copy.", COPYING_MODULE
-        )
-        vllm_scheduler_module.Scheduler = genuine
-    async_module = sys.modules.get("vllm.v1.core.sched.async_scheduler")
-    if async_module is not None and copied_schedule_classes(async_module.AsyncScheduler):
-        # Its module was first imported while the global was rebound, so the class inherits the
-        # copy; re-executing the module builds it on vLLM's Scheduler.
-        importlib.reload(async_module)
 
 
 def _copy_free_post_init(original: Callable[..., None]) -> Callable[..., None]:
     def __post_init__(self: VllmConfig, *args: Any, **kwargs: Any) -> None:
         copy = EngineCoreProc.__dict__["run_engine_core"]
-        if getattr(copy, "__module__", None) != COPYING_MODULE:
-            original(self, *args, **kwargs)
-            return
+        if EngineCoreProc.run_engine_core.__module__ != COPYING_MODULE:
+            return original(self, *args, **kwargs)
         EngineCoreProc.run_engine_core = staticmethod(_rebuilt_vllm_run_engine_core())
         try:
             original(self, *args, **kwargs)
         finally:
-            if EngineCoreProc.__dict__["run_engine_core"].__func__ is wiring.run_engine_core:
+            if EngineCoreProc.run_engine_core is wiring.run_engine_core:
                 logger.info(
                     "Balance scheduling is on: %s replaced EngineCoreProc.run_engine_core with a stale copy; rebuilt "
                     "vLLM's own from %s.",
@@ -145,8 +135,11 @@ def _rebuilt_vllm_run_engine_core() -> FunctionType:
     if definition is None:
         raise RuntimeError(f"{engine_core_module.__file__} defines no EngineCoreProc.run_engine_core")
     namespace: dict[str, Any] = {}
-    code = compile(ast.Module(body=[definition], type_ignores=[]), engine_core_module.__file__, "exec")
-    exec(code, vars(engine_core_module), namespace)
+    exec(
+        compile(ast.Module(body=[definition], type_ignores=[]), engine_core_module.__file__, "exec"),
+        vars(engine_core_module),
+        namespace,
+    )
     # Its staticmethod decorator was kept, so every line number is the original's.
     function: FunctionType = namespace["run_engine_core"].__func__
     function.__qualname__ = "EngineCoreProc.run_engine_core"

@@ -16,15 +16,15 @@
 #
 """Wiring: decides once whether balance scheduling is on, and makes vLLM build accordingly.
 
-**The decision.** Two switches, accepted on every release line: ``additional_config=
-{"enable_balance_scheduling": true}`` (the more specific: one engine, not a whole shell) wins when
-it names the key; otherwise ``VLLM_ASCEND_BALANCE_SCHEDULING`` ("1" on, "0"/unset off) decides.
-Any other value of either is an error: vllm-ascend reads them with ``bool(...)``, so "false" would
-mean *on* there. ``decide`` runs when a ``VllmConfig`` is built (in the front-end, before any engine
-core is launched), refuses what balance scheduling cannot serve, logs which switch decided, and
-records the decision on the config's ``SchedulerConfig``: an attribute, not a dataclass field, so it
-pickles into every engine-core process and stays out of vLLM's config hash. Engine processes read
-that record (``recorded_decision``) and never decide again.
+**The decision.** Three switches, accepted on every release line, the most specific winning (vllm-ascend main's
+precedence): ``additional_config={"scheduler_config": {"enable_balance_scheduling": true}}`` (main's documented
+form), then the top-level ``additional_config={"enable_balance_scheduling": true}`` (vllm-ascend 0.23's form), then
+``VLLM_ASCEND_BALANCE_SCHEDULING`` ("1" on, "0"/unset off). Any other value of any of them is an error, even where a
+more specific switch decides: vllm-ascend reads them with ``bool(...)``, so "false" would mean *on* there.
+``decide`` runs when a ``VllmConfig`` is built (in the front-end, before any engine core is launched), refuses what
+balance scheduling cannot serve, logs which switch decided, and records the decision on the config's
+``SchedulerConfig``: an attribute, not a dataclass field, so it pickles into every engine-core process and stays out
+of vLLM's config hash. Engine processes read that record (``recorded_decision``) and never decide again.
 
 **What it changes.** ``register`` (called in every vLLM process before a scheduler is resolved)
 wraps two vLLM methods, which do nothing while balance scheduling is off:
@@ -47,7 +47,6 @@ which still decides MoE DP vs dense DP vs DP 1.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -61,8 +60,10 @@ from vllm.v1.engine.core import EngineCoreProc
 
 BALANCE_SCHEDULING_ENV = "VLLM_ASCEND_BALANCE_SCHEDULING"
 BALANCE_SCHEDULING_CONFIG_KEY = "enable_balance_scheduling"
-SWITCHES_OFF = f"unset {BALANCE_SCHEDULING_ENV} and additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]"
-_FLAG_VALUES = {"0": False, "1": True}
+NESTED_SWITCH = f"additional_config['scheduler_config'][{BALANCE_SCHEDULING_CONFIG_KEY!r}]"
+TOP_LEVEL_SWITCH = f"additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]"
+SWITCH_EXAMPLE = f'--additional-config \'{{"scheduler_config": {{"{BALANCE_SCHEDULING_CONFIG_KEY}": true}}}}\''
+SWITCHES_OFF = f"set {NESTED_SWITCH} to false (it wins over {TOP_LEVEL_SWITCH} and {BALANCE_SCHEDULING_ENV})"
 _DECISION_ATTR = "_vllm_ascend_balance_scheduling"
 _WRAPPED_MARK = "__balance_scheduling_wrapped__"
 
@@ -77,69 +78,60 @@ _vllm_run_engine_core: Callable[..., Any] | None = None
 def balance_scheduling_flag() -> bool:
     """``VLLM_ASCEND_BALANCE_SCHEDULING`` alone: "1" on, "0" or unset off, anything else an error."""
     raw = os.environ.get(BALANCE_SCHEDULING_ENV, "0")
-    if raw not in _FLAG_VALUES:
+    if raw not in ("0", "1"):
         raise ValueError(
             f"{BALANCE_SCHEDULING_ENV}={raw!r} is not valid: accepted values are '1' (balance scheduling on) "
             "and '0' or unset (off)."
         )
-    return _FLAG_VALUES[raw]
+    return raw == "1"
 
 
-def config_balance_switch(vllm_config: VllmConfig) -> bool | None:
-    """``additional_config["enable_balance_scheduling"]``, or None when the config says nothing (also when
-    ``additional_config`` is not a mapping: vLLM allows other objects for plugins)."""
-    additional = getattr(vllm_config, "additional_config", None)
-    if not isinstance(additional, Mapping) or BALANCE_SCHEDULING_CONFIG_KEY not in additional:
-        return None
-    value = additional[BALANCE_SCHEDULING_CONFIG_KEY]
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]={value!r} is not valid: accepted values "
-            "are true and false (JSON booleans), e.g. --additional-config "
-            f"'{{\"{BALANCE_SCHEDULING_CONFIG_KEY}\": true}}'."
-        )
-    return value
+def switches(vllm_config: VllmConfig) -> list[tuple[str, bool]]:
+    """Every switch that is set, as ``(what the user wrote, value)``, most specific first; each one checked."""
+    additional = vllm_config.additional_config
+    additional = additional if isinstance(additional, Mapping) else {}  # vLLM allows other objects for plugins
+    found = []
+    for label, holder in ((NESTED_SWITCH, additional.get("scheduler_config")), (TOP_LEVEL_SWITCH, additional)):
+        if isinstance(holder, Mapping) and BALANCE_SCHEDULING_CONFIG_KEY in holder:
+            value = holder[BALANCE_SCHEDULING_CONFIG_KEY]
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"{label}={value!r} is not valid: accepted values are true and false (JSON booleans), e.g. "
+                    f"{SWITCH_EXAMPLE}."
+                )
+            found.append((f"{label}={value}", value))
+    if BALANCE_SCHEDULING_ENV in os.environ:
+        found.append((f"{BALANCE_SCHEDULING_ENV}={os.environ[BALANCE_SCHEDULING_ENV]}", balance_scheduling_flag()))
+    return found
 
 
 def decide(vllm_config: VllmConfig) -> bool:
     """The one decision for ``vllm_config``: checked, logged and recorded on its SchedulerConfig.
 
-    A bad value in either switch is an error even when the other one decides: it is a typo the user should see.
     A ``scheduler_cls`` that names a balanced class asks for balance scheduling when no switch says otherwise.
     """
-    env_value, env_raw = balance_scheduling_flag(), os.environ.get(BALANCE_SCHEDULING_ENV)
-    config_value = config_balance_switch(vllm_config)
-    enabled = env_value if config_value is None else config_value
-    source = None
-    if config_value is not None:
-        source = f"set by additional_config[{BALANCE_SCHEDULING_CONFIG_KEY!r}]={config_value}"
-        if env_raw is not None and env_value != config_value:
-            source += (
-                f"; {BALANCE_SCHEDULING_ENV}={env_raw} is ignored (the config's switch wins over the environment "
-                "variable)"
-            )
-    elif env_raw is not None:
-        source = (
-            f"set by {BALANCE_SCHEDULING_ENV}={env_raw} (additional_config has no "
-            f"{BALANCE_SCHEDULING_CONFIG_KEY!r}; vllm-ascend 0.23 deprecates the environment variable in "
-            f"favour of --additional-config '{{\"{BALANCE_SCHEDULING_CONFIG_KEY}\": true}}')"
-        )
-    if _names_balanced_class(vllm_config.scheduler_config):
-        if source is not None and not enabled:
+    (first, enabled), *others = switches(vllm_config) or [(None, False)]
+    source = first and f"set by {first}"
+    if first and not first.startswith(NESTED_SWITCH):
+        source += f" (deprecated by vllm-ascend main in favour of {SWITCH_EXAMPLE})"
+    if ignored := [label for label, value in others if value != enabled]:
+        source += f"; {', '.join(ignored)} is ignored (the more specific switch wins)"
+    named = vllm_config.scheduler_config.scheduler_cls
+    if _names_balanced_class(named):
+        if first and not enabled:
             raise ValueError(
-                f"scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r} is a balance scheduling class, but "
-                f"balance scheduling is switched off ({source}): remove one of the two."
+                f"scheduler_cls={named!r} is a balance scheduling class, but balance scheduling is switched off "
+                f"({source}): remove one of the two."
             )
-        enabled, source = True, source or f"set by scheduler_cls={vllm_config.scheduler_config.scheduler_cls!r}"
+        enabled, source = True, source or f"set by scheduler_cls={named!r}"
     if enabled:
         _refuse_unsupported(vllm_config, source)
     setattr(vllm_config.scheduler_config, _DECISION_ATTR, (enabled, source))
     return recorded_decision(vllm_config.scheduler_config)
 
 
-def _names_balanced_class(scheduler_config: SchedulerConfig) -> bool:
-    named = scheduler_config.scheduler_cls
-    if named is None:
+def _names_balanced_class(named: str | type | None) -> bool:
+    if named is None:  # the default; importing the mixin now would bind vLLM's Scheduler before coexist restores it
         return False
     from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
 
@@ -165,20 +157,20 @@ def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
     engine actors are bound at import time, beyond the route's reach, and an in-process engine is no DP engine
     core, so the gate could never close. A PD-disaggregated instance does not run the mixed prefill+decode lockstep
     the gate is for (upstream refuses it too)."""
-    parallel_config = vllm_config.parallel_config
+    parallel = vllm_config.parallel_config
     no_gather = {
-        "data_parallel_backend='ray'": parallel_config.data_parallel_backend == "ray",
-        "distributed_executor_backend='external_launcher'": parallel_config.distributed_executor_backend
+        "data_parallel_backend='ray'": parallel.data_parallel_backend == "ray",
+        "distributed_executor_backend='external_launcher'": parallel.distributed_executor_backend
         == "external_launcher",
         "VLLM_ENABLE_V1_MULTIPROCESSING=0": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
     }
-    for setting, present in no_gather.items():
-        if present and parallel_config.data_parallel_size > 1:
-            raise ValueError(
-                f"Balance scheduling ({source}) does not support {setting} with data parallelism: the per-step "
-                "gather runs only in vLLM's multiprocess DP engine cores, so the gate could never close. Use the "
-                f"default multiprocessing DP engines or {SWITCHES_OFF}."
-            )
+    unsupported = [setting for setting, present in no_gather.items() if present]
+    if unsupported and parallel.data_parallel_size > 1:
+        raise ValueError(
+            f"Balance scheduling ({source}) does not support {unsupported[0]} with data parallelism: the per-step "
+            "gather runs only in vLLM's multiprocess DP engine cores, so the gate could never close. Use the "
+            f"default multiprocessing DP engines or {SWITCHES_OFF}."
+        )
     kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None)
     if vllm_config.kv_transfer_config is not None and kv_role != "kv_both":
         raise ValueError(
@@ -219,7 +211,7 @@ def _balanced_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) -> 
         from vllm_ascend.core.balance_scheduler import balance_scheduler_class
 
         balanced = balance_scheduler_class(resolved)
-        logger.info_once("Balance scheduling: using %s (over %s).", balanced.__qualname__, _name(resolved))
+        logger.info_once("Balance scheduling: using %s (over %s).", balanced.__qualname__, resolved)
         return balanced
 
     return get_scheduler_cls
@@ -240,16 +232,16 @@ def _deciding_post_init(original: Callable[..., None]) -> Callable[..., None]:
 def install_engine_route() -> None:
     """Front-end side: engine-core launches go through ``run_engine_core`` (idempotent)."""
     global _vllm_run_engine_core
-    if _bound_run_engine_core() is run_engine_core:
+    if EngineCoreProc.run_engine_core is run_engine_core:
         return
-    from vllm_ascend.core.balance_seam import installed_engine_seam_problems
+    from vllm_ascend.core.balance_seam import engine_seam_problems, refusal
 
-    if problems := installed_engine_seam_problems():
-        raise RuntimeError(
-            "Balance scheduling is on, but the installed vLLM's engine core no longer offers the seam the "
-            "balance gather relies on (one gather per active DP engine step):\n  - "
-            + "\n  - ".join(problems)
-            + f"\nFor this vLLM, {SWITCHES_OFF}."
+    if problems := engine_seam_problems():
+        raise refusal(
+            "Balance scheduling is on, but the installed vLLM's engine core no longer offers the seam the balance "
+            "gather relies on (one gather per active DP engine step)",
+            problems,
+            f"For this vLLM, {SWITCHES_OFF}.",
         )
     _vllm_run_engine_core = vllm_run_engine_core()
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
@@ -262,39 +254,21 @@ def run_engine_core(*args: Any, **kwargs: Any) -> Any:
     spawned child would import vLLM's original instead.
     """
     vllm_run = _vllm_run_engine_core or vllm_run_engine_core()
-    vllm_config = kwargs["vllm_config"]
-    if recorded_decision(vllm_config.scheduler_config):
+    if recorded_decision(kwargs["vllm_config"].scheduler_config):
         from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
 
         engine_core_module.DPEngineCoreProc = BalanceDPEngineCoreProc
-        dp_size = vllm_config.parallel_config.data_parallel_size
-        if dp_size > 1 and not vllm_config.model_config.is_moe:
-            logger.info_once(
-                "Balance scheduling is inactive for this dense (non-MoE) model: vLLM runs its %d DP ranks as "
-                "independent engines (no DP group, no lockstep), so there is nothing to balance; each engine "
-                "core runs stock vLLM with data_parallel_size=1.",
-                dp_size,
-            )
     return vllm_run(*args, **kwargs)
 
 
 def vllm_run_engine_core() -> Callable[..., Any]:
     """vLLM's own ``run_engine_core`` as bound on ``EngineCoreProc`` now; anything else is refused (the route
     could not tell which engine-core class it builds)."""
-    function = _bound_run_engine_core()
-    if _name(function) != f"{engine_core_module.__name__}.EngineCoreProc.run_engine_core":
+    function = EngineCoreProc.run_engine_core
+    name = f"{function.__module__}.{function.__qualname__}"
+    if name != f"{engine_core_module.__name__}.EngineCoreProc.run_engine_core":
         raise RuntimeError(
-            f"Balance scheduling is on, but EngineCoreProc.run_engine_core is {_name(function)}, not vLLM's; "
-            "balance scheduling cannot tell which engine-core class it builds. Remove that patch or "
-            f"{SWITCHES_OFF}."
+            f"Balance scheduling is on, but EngineCoreProc.run_engine_core is {name}, not vLLM's; balance "
+            f"scheduling cannot tell which engine-core class it builds. Remove that patch or {SWITCHES_OFF}."
         )
     return function
-
-
-def _bound_run_engine_core() -> Callable[..., Any]:
-    attribute = inspect.getattr_static(EngineCoreProc, "run_engine_core")
-    return attribute.__func__ if isinstance(attribute, staticmethod) else attribute
-
-
-def _name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
