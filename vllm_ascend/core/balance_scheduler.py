@@ -48,7 +48,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_ascend.core.balance_seam import refusal, schedule_seam_problems
+from vllm_ascend.core.balance_seam import CAP_COUNTS, refusal, schedule_seam
 
 
 class BalanceSchedulingMixin:
@@ -65,13 +65,16 @@ class BalanceSchedulingMixin:
     _pause_state: PauseState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if problems := schedule_seam_problems(type(self), skip=(BalanceSchedulingMixin,)):
+        seam = schedule_seam(type(self), skip=(BalanceSchedulingMixin,))
+        if seam.problems:
             raise refusal(
                 f"Balance scheduling cannot gate {type(self).__qualname__}: its schedule() does not honour the "
                 "pause-state seam the gate relies on",
-                problems,
+                seam.problems,
                 "Use a scheduler class that does, or switch balance scheduling off.",
             )
+        assert seam.cap is not None  # a sound seam admits requests, under a cap
+        self._balance_cap = seam.cap
         super().__init__(*args, **kwargs)
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         # One int32 CPU tensor per DP rank, as upstream (callers index and all_gather into it),
@@ -90,19 +93,23 @@ class BalanceSchedulingMixin:
 
     @property
     def balance_gate_threshold(self) -> int:
-        """Running count at which a rank closes the gate for every rank (upstream's rule since
-        vllm-ascend PR #8674: the cap itself)."""
-        return self.max_num_running_reqs
+        """Count at which a rank closes the gate for every rank: vLLM's own admission cap (upstream's rule since
+        vllm-ascend PR #8674: the cap itself; ``max_num_seqs`` unless vLLM >= 0.32 sets ``max_num_active_seqs``)."""
+        return getattr(self, self._balance_cap.attribute)
+
+    def balance_count(self) -> int:
+        """What vLLM's admission compares with its cap: ``len(running)``, plus paused streams on vLLM >= 0.27."""
+        return CAP_COUNTS[self._balance_cap.count](self)
 
     def balance_gather(self, dp_group: ProcessGroup) -> None:
-        """All-gather every rank's ``len(self.running)`` into ``balance_queue``.
+        """All-gather every rank's ``balance_count()`` into ``balance_queue``.
 
         Collective: every rank of ``dp_group`` must call it the same number of times (the DP
         engine loop does, once per active step). No-op with DP size 1.
         """
         if len(self.balance_queue) == 1:
             return
-        local = torch.tensor([len(self.running)], dtype=torch.int32)
+        local = torch.tensor([self.balance_count()], dtype=torch.int32)
         dist.all_gather(self.balance_queue, local, group=dp_group)
 
     def balance_gate_closed(self) -> bool:
@@ -117,9 +124,15 @@ class BalanceSchedulingMixin:
         self.balance_gated_steps += 1
         # Set directly: set_pause_state is the public "real pause" API (and logs in newer vLLM).
         self._pause_state = PauseState.PAUSED_NEW
+        cap = self._balance_cap.attribute if self._balance_cap.held_at_zero else None
+        cap_value = getattr(self, cap) if cap else None
+        if cap:  # vLLM >= 0.32 drains KV-holding requests under PAUSED_NEW; a cap of 0 admits nothing
+            setattr(self, cap, 0)
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
+            if cap:
+                setattr(self, cap, cap_value)
             if self._pause_state == PauseState.PAUSED_NEW:
                 self._pause_state = PauseState.UNPAUSED
 

@@ -47,8 +47,10 @@ import ast
 import functools
 import importlib
 import inspect
+import sys
 import textwrap
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 # ---- AST helpers ----------------------------------------------------------------------------
 
@@ -82,10 +84,34 @@ def method_node(tree: ast.Module, owner: str, name: str) -> ast.FunctionDef | No
 
 # ---- scheduler seam -------------------------------------------------------------------------
 
-# Calls that take a request off a waiting queue (with the helper that picks the queue, >= 0.18).
+# Calls that take a request off a waiting queue (with the helper that picks the queue, 0.18-0.30).
 _TAKES_WAITING = ("pop_request", "peek_request", "_select_waiting_queue_for_scheduling")
 _UNPAUSED = ("self._pause_state == PauseState.UNPAUSED", "self._pause_state is PauseState.UNPAUSED")
-_ALLOWED_PAUSE_TESTS = (*_UNPAUSED, "self._pause_state == PauseState.PAUSED_ALL")
+_ALLOWED_PAUSE_TESTS = (
+    *_UNPAUSED,
+    "self._pause_state == PauseState.PAUSED_ALL",
+    "self._pause_state != PauseState.PAUSED_ALL",  # >= 0.32: the admission block, which PAUSED_NEW enters
+)
+# The admission cap: ``if <count> >= self.<cap>: break`` (``==`` up to 0.23) in the admission loop.
+_CAPS = ("max_num_running_reqs", "max_num_active_reqs")
+# Each count a known vLLM compares with its cap (a local name read as its assignment), and how the gather computes
+# it: the gate closes when some rank's count reaches the cap, on the same terms as vLLM's own admission.
+CAP_COUNTS: dict[str, Callable[[Any], int]] = {
+    "len(self.running)": lambda scheduler: len(scheduler.running),  # 0.18, 0.23
+    "len(self.running) + self.num_waiting_for_streaming_input": (  # >= 0.27: paused streams hold a slot
+        lambda scheduler: len(scheduler.running) + scheduler.num_waiting_for_streaming_input
+    ),
+}
+
+
+class AdmissionCap(NamedTuple):
+    """The cap of the admission loop: what it counts (a key of ``CAP_COUNTS``), the attribute it compares with, and
+    whether only cap tests read that attribute, so a gated step may hold it at 0 (vLLM >= 0.32 admits KV-holding
+    waiting requests under ``PAUSED_NEW``, before its cap test)."""
+
+    count: str
+    attribute: str
+    held_at_zero: bool
 
 
 class ScheduleShape(NamedTuple):
@@ -94,6 +120,7 @@ class ScheduleShape(NamedTuple):
     admissions: int
     delegates_to_super: bool
     problems: list[str]
+    cap: AdmissionCap | None = None
 
 
 def _requires_unpaused(test: ast.AST) -> bool:
@@ -103,20 +130,67 @@ def _requires_unpaused(test: ast.AST) -> bool:
     return _is(test, *_UNPAUSED)
 
 
+def _cap_test(node: ast.AST) -> tuple[ast.expr, str] | None:
+    """``(count, cap attribute)`` when ``node`` is ``if <count> >= self.<cap>: break`` (or ``==``)."""
+    if not (isinstance(node, ast.If) and [type(s) for s in node.body] == [ast.Break]):
+        return None
+    test = node.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.GtE, ast.Eq))):
+        return None
+    cap = next((cap for cap in _CAPS if _is(test.comparators[0], f"self.{cap}")), None)
+    return (test.left, cap) if cap else None
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _admission_cap(tree: ast.AST, module: ast.Module) -> AdmissionCap | str:
+    """The one admission cap of ``tree`` (a ``schedule``), or why there is none that the gate understands."""
+    parents, found = _parents(tree), set()
+    for node in ast.walk(tree):
+        if (test := _cap_test(node)) is None:
+            continue
+        count, attribute = test
+        if isinstance(count, ast.Name):  # e.g. num_running = len(self.running) + ...
+            body = getattr(parents[node], "body", [])
+            values = [s.value for s in body if isinstance(s, ast.Assign) and _is(s.targets[0], count.id)]
+            count = values[-1] if values else count
+        found.add((ast.unparse(count), attribute))
+    if len(found) != 1 or (count_text := next(iter(found))[0]) not in CAP_COUNTS:
+        return f"admission cap tests {sorted(found)} are not one known cap of {sorted(CAP_COUNTS)}"
+    attribute = next(iter(found))[1]
+    module_parents = _parents(module)
+    reads = [n for n in ast.walk(module) if _is(n, f"self.{attribute}") and isinstance(n.ctx, ast.Load)]
+    held = all(_cap_test(module_parents.get(module_parents[n])) for n in reads)
+    return AdmissionCap(count_text, attribute, held)
+
+
 @functools.cache
 def inspect_schedule(owner: type) -> ScheduleShape:
     """The shape of ``owner.schedule`` as defined in ``owner`` itself."""
     where = f"{owner.__module__}.{owner.__qualname__}.schedule"
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(owner.__dict__["schedule"])))
+        module = ast.parse(inspect.getsource(sys.modules[owner.__module__]))
     except (OSError, TypeError) as error:
         return ScheduleShape(0, False, [f"{where}: source unavailable ({error}); cannot verify the seam"])
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    parents, root = _parents(tree), tree.body[0]
+    cap = _admission_cap(tree, module)
+    held_cap = cap.attribute if isinstance(cap, AdmissionCap) and cap.held_at_zero else None
 
     def guarded(node: ast.AST) -> bool:
+        """Under the UNPAUSED guard, after a test of a cap held at 0, or in a helper only called so."""
         while (parent := parents.get(node)) is not None:
             if isinstance(parent, ast.If) and node in parent.body and _requires_unpaused(parent.test):
                 return True
+            if isinstance(parent, ast.While) and node in parent.body:
+                earlier = [_cap_test(s) for s in parent.body[: parent.body.index(node)]]
+                if any(test and test[1] == held_cap for test in earlier):
+                    return True
+            if isinstance(parent, ast.FunctionDef) and parent is not root:
+                calls = _calls(root, parent.name)
+                return bool(calls) and all(guarded(call) for call in calls)
             node = parent
         return False
 
@@ -124,7 +198,7 @@ def inspect_schedule(owner: type) -> ScheduleShape:
         n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in _TAKES_WAITING
     ]
     problems = [
-        f"{where}: admission outside the UNPAUSED guard at line {n.lineno}: {ast.unparse(n)}"
+        f"{where}: admission outside the UNPAUSED guard and the held cap at line {n.lineno}: {ast.unparse(n)}"
         for n in admissions
         if not guarded(n)
     ]
@@ -135,14 +209,16 @@ def inspect_schedule(owner: type) -> ScheduleShape:
         for n in ast.walk(tree)
         if _is(n, "self._pause_state") and not _is(parents[n], *_ALLOWED_PAUSE_TESTS)
     ]
-    return ScheduleShape(len(admissions), bool(_calls(tree, "super().schedule")), problems)
+    if admissions and isinstance(cap, str):
+        problems.append(f"{where}: {cap}")
+    return ScheduleShape(len(admissions), bool(_calls(tree, "super().schedule")), problems, cap if admissions else None)
 
 
-def schedule_seam_problems(scheduler_cls: type, skip: tuple[type, ...] = ()) -> list[str]:
-    """Problems that keep the pause-state gate from working on ``scheduler_cls`` (empty: sound).
+def schedule_seam(scheduler_cls: type, skip: tuple[type, ...] = ()) -> ScheduleShape:
+    """The shape of the ``schedule`` that admits requests for ``scheduler_cls``; no problems: the gate is sound.
 
     Walks the MRO over every ``schedule`` implementation that will run (``skip``: classes to pass over, i.e. the
-    balance mixin): one that admits requests must do so only under the UNPAUSED guard; one that admits nothing must
+    balance mixin): one that admits requests must do so only where the gate stops it; one that admits nothing must
     hand over to ``super().schedule()``.
     """
     for klass in scheduler_cls.__mro__:
@@ -150,13 +226,20 @@ def schedule_seam_problems(scheduler_cls: type, skip: tuple[type, ...] = ()) -> 
             continue
         shape = inspect_schedule(klass)
         if shape.admissions or shape.problems:
-            return shape.problems
+            return shape
         if not shape.delegates_to_super:
-            return [
-                f"{klass.__qualname__}.schedule admits no waiting request and does not call super().schedule(): "
-                "the admission code moved and the seam cannot be verified"
-            ]
-    return [f"{scheduler_cls.__qualname__} has no schedule() implementation"]
+            return shape._replace(
+                problems=[
+                    f"{klass.__qualname__}.schedule admits no waiting request and does not call super().schedule(): "
+                    "the admission code moved and the seam cannot be verified"
+                ]
+            )
+    return ScheduleShape(0, False, [f"{scheduler_cls.__qualname__} has no schedule() implementation"])
+
+
+def schedule_seam_problems(scheduler_cls: type, skip: tuple[type, ...] = ()) -> list[str]:
+    """Problems that keep the gate from working on ``scheduler_cls`` (empty: sound)."""
+    return schedule_seam(scheduler_cls, skip).problems
 
 
 # ---- engine seam ----------------------------------------------------------------------------
