@@ -254,9 +254,9 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
 
 def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:
     """What ``balance_gather`` leaves on every rank: ``counts`` (by default each scheduler's
-    ``len(running)``, in rank order) in every scheduler's ``balance_queue``, written in place."""
+    ``balance_count()``, in rank order) in every scheduler's ``balance_queue``, written in place."""
     if counts is None:
-        counts = [len(scheduler.running) for scheduler in schedulers]
+        counts = [scheduler.balance_count() for scheduler in schedulers]
     for scheduler in schedulers:
         assert len(counts) == len(scheduler.balance_queue), (counts, len(scheduler.balance_queue))
         for slot, count in zip(scheduler.balance_queue, counts):

@@ -179,7 +179,11 @@ class LockstepCluster:
 
     def counts(self) -> list[tuple[int, int]]:
         """(waiting, running) of every rank, as the DP coordinator publishes them."""
-        return [(len(s.waiting) + len(s.skipped_waiting), len(s.running)) for s in self.schedulers]
+        # Skipped requests wait in their own queue up to vLLM 0.30, KV-holding ones from 0.31.
+        extra = ("skipped_waiting", "kv_holding_waiting")
+        return [
+            (len(s.waiting) + sum(len(getattr(s, name, ())) for name in extra), len(s.running)) for s in self.schedulers
+        ]
 
     def running(self) -> list[int]:
         return [len(s.running) for s in self.schedulers]

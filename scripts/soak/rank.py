@@ -225,7 +225,7 @@ def _run_scenario(rank: int, dp: int, config: Any, plan: list[Wave], dp_group: A
             collect_outputs()
             gathers += 1
             gathered = [int(t.item()) for t in scheduler.balance_queue]
-            own_slot_mismatches += gathered[rank] != len(scheduler.running)
+            own_slot_mismatches += gathered[rank] != scheduler.balance_count()
             digest.update(json.dumps(gathered).encode())
             if not running:
                 break

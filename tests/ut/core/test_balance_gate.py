@@ -313,7 +313,10 @@ def test_schedule_arguments_are_forwarded_untouched(balance_on: None, config: An
 
 
 def test_a_class_that_ignores_the_seam_is_refused(balance_on: None, config: Any) -> None:
-    from vllm_ascend.core.scheduler_dynamic_batch import SchedulerDynamicBatch
+    dynamic_batch = pytest.importorskip(
+        "vllm_ascend.core.scheduler_dynamic_batch", reason="vllm-ascend with SchedulerDynamicBatch (0.18, 0.23)"
+    )
+    SchedulerDynamicBatch = dynamic_batch.SchedulerDynamicBatch
 
     with pytest.raises(RuntimeError, match=r"SchedulerDynamicBatch.*outside the UNPAUSED guard"):
         build_scheduler(balance_scheduler_class(SchedulerDynamicBatch), config)

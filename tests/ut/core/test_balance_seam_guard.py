@@ -103,7 +103,7 @@ def test_the_check_detects_an_unguarded_admission() -> None:
             return super().schedule()
 
     problems = schedule_seam_problems(AdmitsWithoutGuard)
-    assert len(problems) == 2 and all("outside the UNPAUSED guard" in p for p in problems)
+    assert len([p for p in problems if "outside the UNPAUSED guard" in p]) == 2, problems
 
 
 def test_the_check_detects_paused_new_given_another_meaning() -> None:

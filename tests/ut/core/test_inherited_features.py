@@ -44,6 +44,7 @@ from offline_vllm import (
 from vllm.config import KVTransferConfig
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -67,7 +68,9 @@ def admitted(output: Any) -> list[str]:
 
 
 def waiting_ids(scheduler: Any) -> list[str]:
-    return [r.request_id for r in [*scheduler.skipped_waiting, *scheduler.waiting]]
+    """Every waiting request in the order vLLM takes them: skipped first (up to 0.30), KV-holding first (>= 0.31)."""
+    first = getattr(scheduler, "skipped_waiting", None) or getattr(scheduler, "kv_holding_waiting", ())
+    return [r.request_id for r in [*first, *scheduler.waiting]]
 
 
 @pytest.fixture
@@ -162,12 +165,28 @@ def test_remote_kv_request_is_promoted_only_when_the_gate_opens(
     promote = mocker.spy(remote_kv, "_update_waiting_for_remote_kv")
     output = remote_kv.schedule()
     promote.assert_called_once_with(request)  # promoted in this very step, as stock vLLM does
-    if promoted_to == RequestStatus.PREEMPTED:  # a resumed request, not a new one
-        assert admitted(output) == [] and output.scheduled_cached_reqs.resumed_req_ids == {"remote"}
+    resumed = sorted(output.scheduled_cached_reqs.resumed_req_ids)
+    if promoted_to == RequestStatus.PREEMPTED and not hasattr(remote_kv, "kv_holding_waiting"):
+        assert admitted(output) == [] and resumed == ["remote"]  # up to 0.30: resumed, not new
     else:
-        assert admitted(output) == ["remote"]
+        assert admitted(output) + resumed == ["remote"]
     assert output.num_scheduled_tokens["remote"] == 40 - 32  # only the locally missing tokens
     assert request.status == RequestStatus.RUNNING
+
+
+def test_vllms_paused_new_admits_kv_holding_requests_and_the_gate_does_not(remote_kv: Any) -> None:
+    """vLLM >= 0.32 drains KV-holding waiting requests under PAUSED_NEW: the gate also holds the admission cap at 0."""
+    if not hasattr(remote_kv, "kv_holding_waiting"):
+        pytest.skip("no KV-holding waiting queue before vLLM 0.31: PAUSED_NEW admits nothing")
+    request = make_request("remote", num_prompt_tokens=40)
+    remote_kv.add_request(request)
+    _finish_receiving(remote_kv, remote_kv.schedule(), "remote")
+    assert waiting_ids(remote_kv) == ["remote"] and list(remote_kv.kv_holding_waiting) == [request]
+    set_gate(remote_kv, CLOSED)
+    assert "remote" not in step(remote_kv)[0].num_scheduled_tokens  # the gate admits nothing
+    set_gate(remote_kv, OPEN)
+    remote_kv.set_pause_state(PauseState.PAUSED_NEW)  # vLLM's own pause: the mixin steps aside
+    assert "remote" in step(remote_kv)[0].num_scheduled_tokens
 
 
 def test_connector_prefix_cache_stats_are_recorded_on_admission(balance_on: None, tiny_model: Path) -> None:
