@@ -130,15 +130,16 @@ def _requires_unpaused(test: ast.AST) -> bool:
     return _is(test, *_UNPAUSED)
 
 
-def _cap_test(node: ast.AST) -> tuple[ast.expr, str] | None:
-    """``(count, cap attribute)`` when ``node`` is ``if <count> >= self.<cap>: break`` (or ``==``)."""
+def _cap_test(node: ast.AST | None) -> tuple[ast.expr, str, bool] | None:
+    """``(count, cap attribute, whether it is a >= test)`` when ``node`` is ``if <count> >= self.<cap>: break`` (or
+    ``==``, up to 0.23: a test a cap held at 0 would not stop)."""
     if not (isinstance(node, ast.If) and [type(s) for s in node.body] == [ast.Break]):
         return None
     test = node.test
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.GtE, ast.Eq))):
         return None
     cap = next((cap for cap in _CAPS if _is(test.comparators[0], f"self.{cap}")), None)
-    return (test.left, cap) if cap else None
+    return (test.left, cap, isinstance(test.ops[0], ast.GtE)) if cap else None
 
 
 def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
@@ -151,7 +152,7 @@ def _admission_cap(tree: ast.AST, module: ast.Module) -> AdmissionCap | str:
     for node in ast.walk(tree):
         if (test := _cap_test(node)) is None:
             continue
-        count, attribute = test
+        count, attribute, _ = test
         if isinstance(count, ast.Name):  # e.g. num_running = len(self.running) + ...
             body = getattr(parents[node], "body", [])
             values = [s.value for s in body if isinstance(s, ast.Assign) and _is(s.targets[0], count.id)]
@@ -162,19 +163,13 @@ def _admission_cap(tree: ast.AST, module: ast.Module) -> AdmissionCap | str:
     attribute = next(iter(found))[1]
     module_parents = _parents(module)
     reads = [n for n in ast.walk(module) if _is(n, f"self.{attribute}") and isinstance(n.ctx, ast.Load)]
-    held = all(_cap_test(module_parents.get(module_parents[n])) for n in reads)
-    return AdmissionCap(count_text, attribute, held)
+    tests = [_cap_test(module_parents.get(module_parents[n])) for n in reads]
+    return AdmissionCap(count_text, attribute, all(test and test[2] for test in tests))
 
 
-@functools.cache
-def inspect_schedule(owner: type) -> ScheduleShape:
-    """The shape of ``owner.schedule`` as defined in ``owner`` itself."""
-    where = f"{owner.__module__}.{owner.__qualname__}.schedule"
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(owner.__dict__["schedule"])))
-        module = ast.parse(inspect.getsource(sys.modules[owner.__module__]))
-    except (OSError, TypeError) as error:
-        return ScheduleShape(0, False, [f"{where}: source unavailable ({error}); cannot verify the seam"])
+def schedule_shape(schedule_source: str, module_source: str, where: str = "schedule") -> ScheduleShape:
+    """The shape of one ``schedule`` (its source, and its module's, where the cap attribute's readers are)."""
+    tree, module = ast.parse(textwrap.dedent(schedule_source)), ast.parse(module_source)
     parents, root = _parents(tree), tree.body[0]
     cap = _admission_cap(tree, module)
     held_cap = cap.attribute if isinstance(cap, AdmissionCap) and cap.held_at_zero else None
@@ -212,6 +207,17 @@ def inspect_schedule(owner: type) -> ScheduleShape:
     if admissions and isinstance(cap, str):
         problems.append(f"{where}: {cap}")
     return ScheduleShape(len(admissions), bool(_calls(tree, "super().schedule")), problems, cap if admissions else None)
+
+
+@functools.cache
+def inspect_schedule(owner: type) -> ScheduleShape:
+    """The shape of ``owner.schedule`` as defined in ``owner`` itself."""
+    where = f"{owner.__module__}.{owner.__qualname__}.schedule"
+    try:
+        sources = inspect.getsource(owner.__dict__["schedule"]), inspect.getsource(sys.modules[owner.__module__])
+    except (OSError, TypeError) as error:
+        return ScheduleShape(0, False, [f"{where}: source unavailable ({error}); cannot verify the seam"])
+    return schedule_shape(*sources, where)
 
 
 def schedule_seam(scheduler_cls: type, skip: tuple[type, ...] = ()) -> ScheduleShape:
