@@ -28,6 +28,7 @@ import inspect
 import textwrap
 
 import pytest
+import vllm.v1.core.sched.scheduler as scheduler_module
 from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
@@ -35,7 +36,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
-from vllm_ascend.core.balance_seam import inspect_schedule, schedule_seam_problems
+from vllm_ascend.core.balance_seam import CAP_COUNTS, inspect_schedule, schedule_seam_problems, schedule_shape
 
 # Methods of vLLM's Scheduler that read ``_pause_state`` directly. Code among them that runs
 # *inside* schedule() sees the gate's transient PAUSED_NEW; a new reader must be reviewed.
@@ -146,3 +147,59 @@ def test_scheduler_class_is_resolved_through_scheduler_config() -> None:
     assert callable(SchedulerConfig.__dict__.get("get_scheduler_cls")), (
         "SEAM MOVED: SchedulerConfig.get_scheduler_cls is gone; the plugin wraps it"
     )
+
+
+# ---- the admission cap, and vLLM >= 0.32's shape (KV-holding requests drained under PAUSED_NEW) --------------
+
+SCHEDULE = inspect.getsource(Scheduler.schedule)
+MODULE = inspect.getsource(scheduler_module)
+CAP = inspect_schedule(Scheduler).cap
+needs_held_cap = pytest.mark.skipif(
+    CAP is None or not CAP.held_at_zero, reason="vLLM < 0.32: every admission is under the UNPAUSED guard"
+)
+
+
+def replaced(text: str, old: str, new: str) -> str:
+    assert old in text, f"test fixture out of date: {old!r} not found"
+    return text.replace(old, new)
+
+
+def test_the_admission_cap_is_one_known_count_and_attribute() -> None:
+    assert CAP is not None and CAP.count in CAP_COUNTS, CAP
+    assert CAP.attribute in ("max_num_running_reqs", "max_num_active_reqs")
+    # Up to 0.31 the cap is also the model runner's slot count (asserted at the end of schedule()): never held at 0.
+    assert CAP.held_at_zero == (CAP.attribute == "max_num_active_reqs")
+
+
+def test_an_unknown_count_is_refused() -> None:
+    problems = schedule_shape(replaced(SCHEDULE, CAP.count, f"{CAP.count} + 1"), MODULE).problems
+    assert any("not one known cap" in p for p in problems), problems
+
+
+@needs_held_cap
+def test_kv_holding_admission_is_accepted_only_behind_the_held_cap() -> None:
+    assert schedule_shape(SCHEDULE, MODULE).problems == []
+    # A new admission path outside the loop, inside the block PAUSED_NEW enters.
+    altered = replaced(
+        SCHEDULE,
+        "            while token_budget > 0:\n",
+        "            self.running.append(self.kv_holding_waiting.pop_request())\n            while token_budget > 0:\n",
+    )
+    problems = schedule_shape(altered, MODULE).problems
+    assert len([p for p in problems if "outside the UNPAUSED guard" in p]) == 2, problems
+
+
+@needs_held_cap
+def test_a_cap_read_elsewhere_is_not_held_and_the_shape_is_refused() -> None:
+    module = MODULE + "\n\ndef _elsewhere(self):\n    return self.max_num_active_reqs\n"
+    shape = schedule_shape(SCHEDULE, module)
+    assert shape.cap is not None and not shape.cap.held_at_zero
+    assert any("outside the UNPAUSED guard" in p for p in shape.problems), shape.problems
+
+
+@needs_held_cap
+def test_a_cap_test_that_zero_would_not_stop_is_refused() -> None:
+    altered = replaced(SCHEDULE, ">= self.max_num_active_reqs", "== self.max_num_active_reqs")
+    module = replaced(MODULE, ">= self.max_num_active_reqs", "== self.max_num_active_reqs")
+    shape = schedule_shape(altered, module)
+    assert shape.cap is not None and not shape.cap.held_at_zero and shape.problems
