@@ -201,6 +201,21 @@ def test_upstreams_suite_check_passes_with_the_series_and_fails_without_the_regi
 
 
 @needs_upstream_git
+def test_the_series_python_files_pass_upstreams_own_lint_tools(patched: tuple[Path, str]) -> None:
+    """ruff with the tag's configuration (the tag pins the ruff of this environment, 0.14.0) and the
+    tag's pre-commit checks written in Python (forbidden imports such as `re` or `pickle`, ...)."""
+    clone, _ = patched
+    tag = _git(clone, "describe", "--tags", "--abbrev=0", "HEAD").strip()
+    files = _git(clone, "diff", "--name-only", "--diff-filter=AM", tag, "HEAD", "--", "*.py").split()
+    assert files
+    ruff = str(Path(sys.executable).with_name("ruff"))
+    tools = [[sys.executable, f"tools/{name}.py"] for name in ("check_forbidden_imports", "check_boolean_context_manager")]
+    for cmd in ([ruff, "check"], [ruff, "format", "--check"], *tools):
+        run = subprocess.run([*cmd, *files], cwd=clone, capture_output=True, text=True)
+        assert run.returncode == 0, f"{' '.join(cmd[:2])}:\n{run.stdout}{run.stderr}"
+
+
+@needs_upstream_git
 def test_v0_23_selects_the_e2e_test_for_a_balance_change_and_routes_it_to_two_cards(patched: tuple[Path, str]) -> None:
     clone, e2e_path = patched
     if not (clone / SCRIPTS / "select_tests.py").exists():
