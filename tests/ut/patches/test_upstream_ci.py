@@ -209,7 +209,8 @@ def test_the_series_python_files_pass_upstreams_own_lint_tools(patched: tuple[Pa
     files = _git(clone, "diff", "--name-only", "--diff-filter=AM", tag, "HEAD", "--", "*.py").split()
     assert files
     ruff = str(Path(sys.executable).with_name("ruff"))
-    tools = [[sys.executable, f"tools/{name}.py"] for name in ("check_forbidden_imports", "check_boolean_context_manager")]
+    checks = ("check_forbidden_imports", "check_boolean_context_manager")
+    tools = [[sys.executable, f"tools/{name}.py"] for name in checks]
     for cmd in ([ruff, "check"], [ruff, "format", "--check"], *tools):
         run = subprocess.run([*cmd, *files], cwd=clone, capture_output=True, text=True)
         assert run.returncode == 0, f"{' '.join(cmd[:2])}:\n{run.stdout}{run.stderr}"
