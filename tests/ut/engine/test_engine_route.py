@@ -37,6 +37,7 @@ import pytest
 import vllm.v1.engine.core as engine_core_module
 from offline_vllm import make_vllm_config
 from vllm.v1.engine.core import EngineCoreProc
+
 from vllm_ascend_balance import patch_balance_schedule as wiring
 
 HOOK_LOG = "this DP engine core is BalanceDPEngineCoreProc"
