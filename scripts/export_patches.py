@@ -13,7 +13,10 @@ Pristine sources come from PyPI artefacts only (CI has no GitHub access): the in
 vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel
 fetched with ``pip download`` (its sha256 checked against the package index's before any use).
 The wheel holds ``vllm_ascend/`` but no ``tests/``; the series only *adds* files under ``tests/``,
-and ``--checkout`` verifies ``git am`` against a real tag checkout.
+and ``--checkout`` verifies ``git am`` against a real tag checkout. Files outside the wheel that
+the series edits (``.github/``: the e2e test's entry in upstream's suite configuration) are read
+at the manifest's tag from a vllm-ascend git repository (``--git DIR``, else ``$VLLM_ASCEND_GIT``,
+else the ``--checkout`` repository; bare or not); without one, such an edit fails naming the option.
 
     scripts/export_patches.py                    regenerate patches/<series>/
     scripts/export_patches.py --check            exit 1 if patches/ is stale or does not apply
@@ -286,9 +289,12 @@ def _refuse_forbidden(text: bytes, spec: PatchSpec, source: str, manifest: Manif
 class PristineSource:
     """Reads files of the released vllm-ascend, from its installed copy or its wheel."""
 
-    def __init__(self, manifest: Manifest, wheel: Path | None = None, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, manifest: Manifest, wheel: Path | None = None, cache_dir: Path | None = None, git_repo: Path | None = None
+    ) -> None:
         self._manifest = manifest
         self._wheel = wheel
+        self.git_repo = git_repo  # a vllm-ascend git repository: files outside the wheel, at the tag
         self._cache_dir = cache_dir or Path(tempfile.gettempdir()) / "vllm-ascend-balance-wheels"
         self._installed = None if wheel else self._installed_record()
         self.origin = str(wheel) if wheel else "installed distribution (RECORD-verified)"
@@ -321,13 +327,27 @@ class PristineSource:
                 # Modified (e.g. patched in place): fall back to the wheel for every file.
                 self._installed = None
         if not path.startswith("vllm_ascend/"):
-            # The wheel has no tests/; the series may only add files there (see module doc).
-            return None
+            # Not in the wheel: the tag's file (None when absent there), or None without a repository
+            # (the series may only add files there; an edit then fails naming --git).
+            return None if self.git_repo is None else self._read_tag(path)
         with zipfile.ZipFile(self._wheel_path()) as wheel:
             try:
                 return wheel.read(path)
             except KeyError:
                 return None
+
+    def _read_tag(self, path: str) -> bytes | None:
+        """``path`` at the manifest's tag in ``git_repo``; None when the tag has no such file."""
+
+        def cat_file(*args: str) -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(["git", "-C", str(self.git_repo), "cat-file", *args], capture_output=True)
+
+        tag = self._manifest.tag
+        if cat_file("-e", f"{tag}^{{commit}}").returncode != 0:
+            raise ExportError(f"{self.git_repo} is not a git repository holding vllm-ascend's tag {tag}")
+        if cat_file("-e", f"{tag}:{path}").returncode != 0:
+            return None
+        return cat_file("blob", f"{tag}:{path}").stdout
 
     def _wheel_path(self) -> Path:
         if self._wheel is None:
@@ -501,7 +521,8 @@ def generate(
 def _apply_edit(repo: Path, edit: Edit, exists: bool) -> None:
     target = repo / edit.path
     if not exists:
-        raise ExportError(f"edit target {edit.path} is not in the pristine vllm-ascend sources")
+        where = "" if edit.path.startswith("vllm_ascend/") else " (not in the wheel: give --git DIR or VLLM_ASCEND_GIT)"
+        raise ExportError(f"edit target {edit.path} is not in the pristine vllm-ascend sources{where}")
     text = target.read_text()
     count = text.count(edit.find)
     if count != 1:
@@ -647,6 +668,11 @@ def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: 
     return subprocess.run(cmd, cwd=clone, env=env).returncode
 
 
+def _origin(source: PristineSource, manifest: Manifest) -> str:
+    outside = f"; outside the wheel: {manifest.tag} of {source.git_repo}" if source.git_repo else ""
+    return source.origin + outside
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -662,6 +688,13 @@ def main(argv: list[str] | None = None) -> int:
         "--wheel", type=Path, help="read pristine sources from this wheel instead of the installed copy"
     )
     parser.add_argument("--checkout", type=Path, help="a vllm-ascend git repository: git am the series onto its tag")
+    parser.add_argument(
+        "--git",
+        type=Path,
+        default=os.environ.get("VLLM_ASCEND_GIT") or None,
+        help="a vllm-ascend git repository (bare or not) holding the tag: pristine files outside the wheel "
+        "(default: $VLLM_ASCEND_GIT, else --checkout)",
+    )
     parser.add_argument("--keep", type=Path, help="with --checkout: leave the patched clone in this new directory")
     parser.add_argument(
         "--run-tests",
@@ -677,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = load_manifest(args.manifest)
         except ExportError as error:
             raise ExportError(f"{error}\nGive one with --manifest.") from None
-        source = PristineSource(manifest, wheel=args.wheel)
+        source = PristineSource(manifest, wheel=args.wheel, git_repo=args.git or args.checkout)
         if args.check:
             problems = check(manifest, root, source)
             if problems:
@@ -687,13 +720,12 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            print(f"{manifest.output} is current and applies to pristine {manifest.requirement} ({source.origin})")
+            origin = _origin(source, manifest)
+            print(f"{manifest.output} is current and applies to pristine {manifest.requirement} ({origin})")
         elif not args.checkout:
             written = export(manifest, root, source)
-            print(
-                f"wrote {len(written)} patches to {manifest.output} "
-                f"(pristine {manifest.requirement} from {source.origin}):"
-            )
+            origin = _origin(source, manifest)
+            print(f"wrote {len(written)} patches to {manifest.output} (pristine {manifest.requirement} from {origin}):")
             for name in written:
                 print(f"  {name}")
         if args.checkout:

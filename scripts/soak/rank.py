@@ -65,9 +65,9 @@ def _run(
     from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
     from vllm.plugins import load_general_plugins
     from vllm.v1.engine.core import DPEngineCoreProc
-    from vllm_ascend_balance.patch_balance_schedule import register
 
     from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
+    from vllm_ascend_balance.patch_balance_schedule import register
 
     load_general_plugins()  # as EngineCore.__init__ does: the balance plugin wires the scheduler
     # A forked rank inherits plugins_loaded from its parent, which may have loaded them with the

@@ -44,13 +44,13 @@ from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCoreProc
-from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 from vllm_ascend.core.balance_scheduler import (
     BalanceAsyncScheduler,
     BalanceScheduler,
     BalanceSchedulingMixin,
 )
+from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 DIST_NAME = "vllm-ascend-balance-scheduling"
 PLUGIN_NAME = "ascend_balance_scheduling"

@@ -30,7 +30,6 @@ from offline_vllm import build_scheduler, emulate_gather, make_request, make_vll
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
 from vllm_ascend.core import balance_scheduler as balance_module
 from vllm_ascend.core.balance_scheduler import (
@@ -38,6 +37,7 @@ from vllm_ascend.core.balance_scheduler import (
     BalanceScheduler,
     balance_scheduler_class,
 )
+from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
 CAP = 4
 

@@ -20,9 +20,9 @@ import pytest
 from offline_vllm import BLOCK_SIZE, build_scheduler, kv_cache_config_for, make_vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
+from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 SUPPORTED_LINES = ("0.18.0", "0.23.0")
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
