@@ -657,11 +657,15 @@ def verify_checkout(manifest: Manifest, root: Path, checkout: Path, workdir: Pat
 # Loaded (as sitecustomize) by every Python process of a --run-tests session, subprocesses too.
 # vllm-ascend's package __init__ of vllm_ascend/patch/platform imports torch_npu, which cannot
 # exist on a CPU machine: the packages are registered without running it, and the patched
-# checkout's vllm_ascend/core and vllm_ascend/patch/platform come first on their search paths.
+# checkout's vllm_ascend (e.g. platform.py, which a series may edit), vllm_ascend/core and
+# vllm_ascend/patch/platform come first on their search paths (files only a build generates,
+# such as _build_info.py, still come from the installed package).
 _CPU_SHIM = """\
 import sys, types
-import vllm_ascend.core
+import vllm_ascend
 _root = {root!r}
+vllm_ascend.__path__.insert(0, _root + "/vllm_ascend")
+import vllm_ascend.core
 vllm_ascend.core.__path__.insert(0, _root + "/vllm_ascend/core")
 for _name in ("vllm_ascend.patch", "vllm_ascend.patch.platform"):
     _module = types.ModuleType(_name)
