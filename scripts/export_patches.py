@@ -180,6 +180,10 @@ def load_manifest(path: Path | None = None) -> Manifest:
     data = tomllib.loads(path.read_text())
     patches = []
     for entry in data["patch"]:
+        for edit in entry.get("edit", []):
+            # A patch key written after a [[patch.edit]] table lands in that table (TOML): refuse it.
+            if unknown := sorted(set(edit) - {"path", "find", "replace"}):
+                raise ExportError(f"{path.name}: [[patch.edit]] of {edit.get('path')} has unknown keys {unknown}")
         patches.append(
             PatchSpec(
                 slug=entry["slug"],
