@@ -17,6 +17,9 @@ and ``--checkout`` verifies ``git am`` against a real tag checkout. Files outsid
 the series edits (``.github/``: the e2e test's entry in upstream's suite configuration) are read
 at the manifest's tag from a vllm-ascend git repository (``--git DIR``, else ``$VLLM_ASCEND_GIT``,
 else the ``--checkout`` repository; bare or not); without one, such an edit fails naming the option.
+A line with no release on the package index (vllm-ascend main at a commit) names a source archive
+of that commit in ``[base] archive`` instead; every pristine file, ``tests/`` included, then comes
+from it (see SourceArchive).
 
     scripts/export_patches.py                    regenerate patches/<series>/
     scripts/export_patches.py --check            exit 1 if patches/ is stale or does not apply
@@ -36,6 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -89,6 +93,8 @@ class PatchSpec:
     # Names none of this patch's files may contain once rewritten (as a whole identifier):
     # a form the rewrites do not cover fails the export instead of being half-rewritten.
     forbid: tuple[str, ...] = ()
+    # vllm-ascend files this patch deletes (each must exist in the pristine sources).
+    deletes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,8 @@ class Manifest:
     scope: tuple[str, ...]
     exclude: tuple[str, ...]
     patches: tuple[PatchSpec, ...]
+    # A source archive (or tree) of the base commit, relative to the repository root; None: PyPI.
+    archive: str | None = None
 
     @property
     def requirement(self) -> str:
@@ -176,6 +184,10 @@ def load_manifest(path: Path | None = None) -> Manifest:
     data = tomllib.loads(path.read_text())
     patches = []
     for entry in data["patch"]:
+        for edit in entry.get("edit", []):
+            # A patch key written after a [[patch.edit]] table lands in that table (TOML): refuse it.
+            if unknown := sorted(set(edit) - {"path", "find", "replace"}):
+                raise ExportError(f"{path.name}: [[patch.edit]] of {edit.get('path')} has unknown keys {unknown}")
         patches.append(
             PatchSpec(
                 slug=entry["slug"],
@@ -185,6 +197,7 @@ def load_manifest(path: Path | None = None) -> Manifest:
                 rewrites=tuple(Rewrite(r["find"], r["replace"]) for r in entry.get("rewrite", [])),
                 edits=tuple(Edit(e["path"], e["find"], e["replace"]) for e in entry.get("edit", [])),
                 forbid=tuple(entry.get("forbid", [])),
+                deletes=tuple(entry.get("delete", [])),
             )
         )
     return Manifest(
@@ -198,6 +211,7 @@ def load_manifest(path: Path | None = None) -> Manifest:
         scope=tuple(data["classify"]["scope"]),
         exclude=tuple(data["classify"]["exclude"]),
         patches=tuple(patches),
+        archive=data["base"].get("archive"),
     )
 
 
@@ -265,7 +279,7 @@ def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
             "files in the manifest's scope that no patch rule exports and `exclude` does not "
             f"list (add each to {manifest.path.name}):\n  " + "\n  ".join(unclassified)
         )
-    empty = [p.spec.slug for p in resolved if not p.files and not p.spec.edits]
+    empty = [p.spec.slug for p in resolved if not p.files and not p.spec.edits and not p.spec.deletes]
     if empty:
         raise ExportError(f"patches with no files: {', '.join(empty)}")
     return resolved
@@ -286,8 +300,39 @@ def _refuse_forbidden(text: bytes, spec: PatchSpec, source: str, manifest: Manif
 
 
 # ------------------------------------------------------------------------- pristine vllm-ascend
+class SourceArchive:
+    """The vllm-ascend tree at the manifest's commit: a directory, or a ``.tar.gz`` holding it in one
+    top directory (``git archive`` output, as ``shared/upstream/vllm-ascend-main-<commit>.tar.gz``).
+    ``VLLM_ASCEND_SRC`` (as for scripts/bootstrap.sh) overrides the manifest's ``[base] archive``."""
+
+    def __init__(self, manifest: Manifest, root: Path = REPO_ROOT) -> None:
+        given = os.environ.get("VLLM_ASCEND_SRC")
+        self.path = Path(given).resolve() if given else (root / str(manifest.archive)).resolve()
+        if not self.path.exists():
+            raise ExportError(
+                f"{manifest.path.name} reads pristine vllm-ascend {manifest.tag} from {self.path}, which does "
+                "not exist: put the source archive there or set VLLM_ASCEND_SRC to it (a directory or .tar.gz)"
+            )
+        self._files: dict[str, bytes] | None = None
+
+    def read(self, path: str) -> bytes | None:
+        if self.path.is_dir():
+            file = self.path / path
+            return file.read_bytes() if file.is_file() else None
+        if self._files is None:
+            self._files = {}
+            with tarfile.open(self.path) as archive:
+                for member in archive.getmembers():
+                    top, _, rest = member.name.partition("/")
+                    handle = archive.extractfile(member) if member.isfile() and rest else None
+                    if handle is not None:
+                        self._files[rest] = handle.read()
+        return self._files.get(path)
+
+
 class PristineSource:
-    """Reads files of the released vllm-ascend, from its installed copy or its wheel."""
+    """Reads files of the released vllm-ascend, from its installed copy or its wheel, or (a
+    manifest with ``[base] archive``) from the source archive of its commit."""
 
     def __init__(
         self, manifest: Manifest, wheel: Path | None = None, cache_dir: Path | None = None, git_repo: Path | None = None
@@ -296,8 +341,11 @@ class PristineSource:
         self._wheel = wheel
         self.git_repo = git_repo  # a vllm-ascend git repository: files outside the wheel, at the tag
         self._cache_dir = cache_dir or Path(tempfile.gettempdir()) / "vllm-ascend-balance-wheels"
-        self._installed = None if wheel else self._installed_record()
+        self._archive = SourceArchive(manifest) if manifest.archive and not wheel else None
+        self._installed = None if wheel or self._archive else self._installed_record()
         self.origin = str(wheel) if wheel else "installed distribution (RECORD-verified)"
+        if self._archive is not None:
+            self.origin = f"source archive {self._archive.path}"
 
     def _installed_record(self) -> dict[str, tuple[Path, str]] | None:
         try:
@@ -314,6 +362,8 @@ class PristineSource:
 
     def read(self, path: str) -> bytes | None:
         """The pristine content of ``path``, or None when the release has no such file."""
+        if self._archive is not None:
+            return self._archive.read(path)
         if self._installed is not None:
             if path not in self._installed:
                 if path.startswith("vllm_ascend/"):
@@ -456,6 +506,7 @@ def git(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 def _touched_paths(patches: list[ResolvedPatch]) -> list[str]:
     paths = {p for patch in patches for p in patch.files}
     paths |= {edit.path for patch in patches for edit in patch.spec.edits}
+    paths |= {path for patch in patches for path in patch.spec.deletes}
     return sorted(paths)
 
 
@@ -495,6 +546,10 @@ def generate(
             (repo / path).write_bytes(content)
         for edit in patch.spec.edits:
             _apply_edit(repo, edit, pristine.get(edit.path) is not None)
+        for path in patch.spec.deletes:
+            if pristine.get(path) is None:
+                raise ExportError(f"{patch.spec.slug} deletes {path}, which is not in the pristine vllm-ascend sources")
+            (repo / path).unlink()
         git(["add", "-A"], cwd=repo, env=env)
         message_file = workdir / f"{patch.spec.slug}.msg"
         message_file.write_text(commit_message(patch.spec))
@@ -601,6 +656,11 @@ def _compare_tree(repo: Path, patches: list[ResolvedPatch]) -> list[str]:
                 problems.append(f"after git am, {path} is missing ({patch.sources[path]} is new)")
             elif applied.read_bytes() != content:
                 problems.append(f"after git am, {path} differs from {patch.sources[path]}")
+        problems += [
+            f"after git am, {path} still exists (deleted by the series)"
+            for path in patch.spec.deletes
+            if (repo / path).exists()
+        ]
     return problems
 
 
@@ -623,11 +683,15 @@ def verify_checkout(manifest: Manifest, root: Path, checkout: Path, workdir: Pat
 # Loaded (as sitecustomize) by every Python process of a --run-tests session, subprocesses too.
 # vllm-ascend's package __init__ of vllm_ascend/patch/platform imports torch_npu, which cannot
 # exist on a CPU machine: the packages are registered without running it, and the patched
-# checkout's vllm_ascend/core and vllm_ascend/patch/platform come first on their search paths.
+# checkout's vllm_ascend (e.g. platform.py, which a series may edit), vllm_ascend/core and
+# vllm_ascend/patch/platform come first on their search paths (files only a build generates,
+# such as _build_info.py, still come from the installed package).
 _CPU_SHIM = """\
 import sys, types
-import vllm_ascend.core
+import vllm_ascend
 _root = {root!r}
+vllm_ascend.__path__.insert(0, _root + "/vllm_ascend")
+import vllm_ascend.core
 vllm_ascend.core.__path__.insert(0, _root + "/vllm_ascend/core")
 for _name in ("vllm_ascend.patch", "vllm_ascend.patch.platform"):
     _module = types.ModuleType(_name)
