@@ -375,4 +375,4 @@ def test_vllm_ascend_copy_installed_first_is_repaired_only_when_on(
     }
     assert rebuilt.__globals__ is VLLM_RUN_ENGINE_CORE.__globals__
     assert rebuilt.__qualname__ == "EngineCoreProc.run_engine_core"
-    assert "replaced EngineCoreProc.run_engine_core with a stale copy" in caplog.text
+    assert "replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own" in caplog.text

@@ -44,11 +44,6 @@ def _has_dyntra_patch() -> bool:
 
 
 @pytest.mark.skipif(not _has_dyntra_patch(), reason="this line's vllm-ascend has no patch_dyntra_lb_core (main only)")
-@pytest.mark.xfail(
-    strict=True,
-    reason="product change pending: patch_balance_coexist sets aside only the copy's run_engine_core, not "
-    "patch_dyntra_lb_core's wrapper of it, so the wiring refuses a run_engine_core that is not vLLM's",
-)
 def test_balance_on_routes_engine_cores_despite_dyntra_lbs_wrapper(tiny_moe_model: Path) -> None:
     helpers = str(Path(__file__).parents[1] / "core")  # import_order_probe.py lives there
     env = helper_process_env(VLLM_ASCEND_BALANCE_SCHEDULING="1", VLLM_PLUGINS="ascend_balance_scheduling")
