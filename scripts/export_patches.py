@@ -12,11 +12,12 @@ whose ``[base] version`` is the installed vllm-ascend's (or the release it is a 
 Pristine sources come from PyPI artefacts only (CI has no GitHub access): the installed
 vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel
 fetched with ``pip download`` (its sha256 checked against the package index's before any use).
-The wheel holds ``vllm_ascend/`` but no ``tests/``; the series only *adds* files under ``tests/``,
-and ``--checkout`` verifies ``git am`` against a real tag checkout. Files outside the wheel that
-the series edits (``.github/``: the e2e test's entry in upstream's suite configuration) are read
-at the manifest's tag from a vllm-ascend git repository (``--git DIR``, else ``$VLLM_ASCEND_GIT``,
-else the ``--checkout`` repository; bare or not); without one, such an edit fails naming the option.
+The wheel holds ``vllm_ascend/`` only; files outside it (``tests/``, and ``.github/``: the e2e
+test's entry in upstream's suite configuration, which the series edits) come from the release's
+sdist, which holds the tag's whole tree (fetched with ``pip download --no-binary``, its sha256
+checked the same way, its top directory and ``PKG-INFO`` version checked), or, with ``--git DIR``
+or ``$VLLM_ASCEND_GIT``, at the manifest's tag from that vllm-ascend git repository (bare or not).
+``--checkout`` verifies ``git am`` against a real tag checkout.
 A line with no release on the package index (vllm-ascend main at a commit) names a source archive
 of that commit in ``[base] archive`` instead; every pristine file, ``tests/`` included, then comes
 from it (see SourceArchive).
@@ -331,15 +332,23 @@ class SourceArchive:
 
 
 class PristineSource:
-    """Reads files of the released vllm-ascend, from its installed copy or its wheel, or (a
-    manifest with ``[base] archive``) from the source archive of its commit."""
+    """Reads files of the released vllm-ascend: ``vllm_ascend/`` from its installed copy or its wheel,
+    the rest from its sdist or, when given, the tag of a git repository; or (a manifest with ``[base] archive``)
+    every file from the source archive of its commit."""
 
     def __init__(
-        self, manifest: Manifest, wheel: Path | None = None, cache_dir: Path | None = None, git_repo: Path | None = None
+        self,
+        manifest: Manifest,
+        wheel: Path | None = None,
+        cache_dir: Path | None = None,
+        git_repo: Path | None = None,
+        sdist: Path | None = None,
     ) -> None:
         self._manifest = manifest
         self._wheel = wheel
         self.git_repo = git_repo  # a vllm-ascend git repository: files outside the wheel, at the tag
+        self._sdist = sdist  # else the release sdist (downloaded on first use): files outside the wheel
+        self._sdist_files: dict[str, bytes] | None = None
         self._cache_dir = cache_dir or Path(tempfile.gettempdir()) / "vllm-ascend-balance-wheels"
         self._archive = SourceArchive(manifest) if manifest.archive and not wheel else None
         self._installed = None if wheel or self._archive else self._installed_record()
@@ -377,9 +386,8 @@ class PristineSource:
                 # Modified (e.g. patched in place): fall back to the wheel for every file.
                 self._installed = None
         if not path.startswith("vllm_ascend/"):
-            # Not in the wheel: the tag's file (None when absent there), or None without a repository
-            # (the series may only add files there; an edit then fails naming --git).
-            return None if self.git_repo is None else self._read_tag(path)
+            # Not in the wheel: the tag's file, or the sdist's (None when absent there).
+            return self._read_tag(path) if self.git_repo is not None else self.sdist_files().get(path)
         with zipfile.ZipFile(self._wheel_path()) as wheel:
             try:
                 return wheel.read(path)
@@ -399,6 +407,18 @@ class PristineSource:
             return None
         return cat_file("blob", f"{tag}:{path}").stdout
 
+    def sdist_path(self) -> Path:
+        """The release sdist: the one given, else downloaded (index-checked) into the cache."""
+        if self._sdist is None:
+            self._sdist = download_sdist(self._manifest.requirement, self._cache_dir)
+        return self._sdist
+
+    def sdist_files(self) -> dict[str, bytes]:
+        """Every regular file of the sdist, by path inside its top directory."""
+        if self._sdist_files is None:
+            self._sdist_files = read_sdist(self.sdist_path(), self._manifest.distribution, self._manifest.version)
+        return self._sdist_files
+
     def _wheel_path(self) -> Path:
         if self._wheel is None:
             self._wheel = download_wheel(self._manifest.requirement, self._cache_dir)
@@ -407,13 +427,21 @@ class PristineSource:
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess[str]:
+    # For an sdist, pip prepares the metadata with vllm-ascend's setup.py (hence setuptools-scm in
+    # requirements/tools.txt, and no build isolation: its build requirements pin torch-npu). It
+    # builds NPU kernels unless COMPILE_CUSTOM_KERNELS=0 and asks npu-smi unless SOC_VERSION is set.
+    env = dict(os.environ, COMPILE_CUSTOM_KERNELS="0", SOC_VERSION=os.environ.get("SOC_VERSION", "ascend910b1"))
     return subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True, env=env
     )
 
 
-def index_sha256(requirement: str) -> str:
-    """The sha256 the package index publishes for the wheel pip would fetch for requirement.
+def _format_args(sdist: bool) -> tuple[str, ...]:
+    return ("--no-binary=:all:", "--no-build-isolation") if sdist else ("--only-binary=:all:",)
+
+
+def index_sha256(requirement: str, sdist: bool = False) -> str:
+    """The sha256 the package index publishes for the wheel (or sdist) pip would fetch for requirement.
 
     ``pip install --dry-run --report`` resolves from the index's metadata without installing
     anything (no dependencies, whatever is installed here).
@@ -423,7 +451,7 @@ def index_sha256(requirement: str) -> str:
         "--dry-run",
         "--no-deps",
         "--ignore-installed",
-        "--only-binary=:all:",
+        *_format_args(sdist),
         "-q",
         "--report",
         "-",
@@ -445,24 +473,24 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def download_wheel(requirement: str, dest: Path) -> Path:
-    """The release wheel (no dependencies) in dest, its sha256 checked against the index's.
+def download_wheel(requirement: str, dest: Path, sdist: bool = False) -> Path:
+    """The release wheel (or sdist; no dependencies) in dest, its sha256 checked against the index's.
 
-    A wheel already in dest is reused only when its hash matches (dest may be a shared temporary
-    directory: anything could have put a file there); otherwise it is removed and the wheel is
+    A file already in dest is reused only when its hash matches (dest may be a shared temporary
+    directory: anything could have put a file there); otherwise it is removed and the file is
     downloaded again, into a fresh directory, and checked the same way before it is moved in.
     """
     name, version = requirement.split("==")
-    stem = f"{name.replace('-', '_')}-{version}-"
-    expected = index_sha256(requirement)
-    for cached in sorted(dest.glob(f"{stem}*.whl")):
+    pattern = f"{name.replace('-', '_')}-{version}" + (".tar.gz" if sdist else "-*.whl")
+    expected = index_sha256(requirement, sdist)
+    for cached in sorted(dest.glob(pattern)):
         if file_sha256(cached) == expected:
             return cached
         cached.unlink()
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as fresh:
-        result = _pip("download", "--no-deps", "--only-binary=:all:", "-q", "-d", fresh, requirement)
-        wheels = sorted(Path(fresh).glob(f"{stem}*.whl"))
+        result = _pip("download", "--no-deps", *_format_args(sdist), "-q", "-d", fresh, requirement)
+        wheels = sorted(Path(fresh).glob(pattern))  # or the sdist
         if result.returncode != 0 or len(wheels) != 1:
             raise ExportError(f"could not download {requirement} with pip:\n{result.stderr.strip()}")
         actual = file_sha256(wheels[0])
@@ -472,6 +500,29 @@ def download_wheel(requirement: str, dest: Path) -> Path:
                 f"package index publishes {expected}: not using it"
             )
         return Path(shutil.move(wheels[0], dest / wheels[0].name))
+
+
+def download_sdist(requirement: str, dest: Path) -> Path:
+    """The release sdist in dest, checked as download_wheel checks a wheel."""
+    return download_wheel(requirement, dest, sdist=True)
+
+
+def read_sdist(path: Path, distribution: str, version: str) -> dict[str, bytes]:
+    """The regular files of an sdist by path inside its top directory, which must be the release's
+    (``vllm_ascend-0.18.0/``, its ``PKG-INFO`` naming that version)."""
+    top = f"{distribution.replace('-', '_')}-{version}"
+    refusal = f"{path} is not the sdist of {distribution} {version}"
+    files = {}
+    with tarfile.open(path) as archive:
+        for member in archive:
+            if member.name != top and not member.name.startswith(top + "/"):
+                raise ExportError(f"{refusal}: {member.name} is outside {top}/")
+            content = archive.extractfile(member) if member.isfile() else None
+            if content is not None:
+                files[member.name[len(top) + 1 :]] = content.read()
+    if f"\nVersion: {version}\n" not in files.get("PKG-INFO", b"").decode(errors="replace"):
+        raise ExportError(f"{refusal}: its PKG-INFO does not name {version}")
+    return files
 
 
 # ------------------------------------------------------------------------------ git machinery
@@ -576,7 +627,7 @@ def generate(
 def _apply_edit(repo: Path, edit: Edit, exists: bool) -> None:
     target = repo / edit.path
     if not exists:
-        where = "" if edit.path.startswith("vllm_ascend/") else " (not in the wheel: give --git DIR or VLLM_ASCEND_GIT)"
+        where = "" if edit.path.startswith("vllm_ascend/") else " (read from the release sdist, or the tag of --git)"
         raise ExportError(f"edit target {edit.path} is not in the pristine vllm-ascend sources{where}")
     text = target.read_text()
     count = text.count(edit.find)
@@ -733,8 +784,8 @@ def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: 
 
 
 def _origin(source: PristineSource, manifest: Manifest) -> str:
-    outside = f"; outside the wheel: {manifest.tag} of {source.git_repo}" if source.git_repo else ""
-    return source.origin + outside
+    outside = f"{manifest.tag} of {source.git_repo}" if source.git_repo else source.sdist_path()
+    return f"{source.origin}; outside the wheel: {outside}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -751,13 +802,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wheel", type=Path, help="read pristine sources from this wheel instead of the installed copy"
     )
+    parser.add_argument("--sdist", type=Path, help="read pristine files outside vllm_ascend/ from this sdist")
     parser.add_argument("--checkout", type=Path, help="a vllm-ascend git repository: git am the series onto its tag")
     parser.add_argument(
         "--git",
         type=Path,
         default=os.environ.get("VLLM_ASCEND_GIT") or None,
         help="a vllm-ascend git repository (bare or not) holding the tag: pristine files outside the wheel "
-        "(default: $VLLM_ASCEND_GIT, else --checkout)",
+        "(default: $VLLM_ASCEND_GIT, else --checkout, else the release sdist)",
     )
     parser.add_argument("--keep", type=Path, help="with --checkout: leave the patched clone in this new directory")
     parser.add_argument(
@@ -774,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = load_manifest(args.manifest)
         except ExportError as error:
             raise ExportError(f"{error}\nGive one with --manifest.") from None
-        source = PristineSource(manifest, wheel=args.wheel, git_repo=args.git or args.checkout)
+        source = PristineSource(manifest, wheel=args.wheel, git_repo=args.git or args.checkout, sdist=args.sdist)
         if args.check:
             problems = check(manifest, root, source)
             if problems:

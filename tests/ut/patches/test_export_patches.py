@@ -278,7 +278,7 @@ def test_a_wheel_is_read_when_given(tmp_path: Path) -> None:
     assert source.origin == str(wheel)
 
 
-def test_cli_check_exit_status(repo: Path, series: Path) -> None:
+def test_cli_check_exit_status(repo: Path, series: Path, empty_sdist: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [
@@ -288,6 +288,8 @@ def test_cli_check_exit_status(repo: Path, series: Path) -> None:
                 str(repo),
                 "--manifest",
                 str(repo / "patches" / "series.toml"),
+                "--sdist",
+                str(empty_sdist),
                 *args,
             ],
             capture_output=True,

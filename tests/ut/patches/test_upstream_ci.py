@@ -3,12 +3,12 @@
 vllm-ascend's CI refuses a test file that is in no suite: v0.18.0's ``run_suite.py`` (``sanity_check``,
 before any e2e job runs) and v0.23.0's ``coverage.py`` (PR validation, then ``select_tests.py``). The
 series therefore edits ``.github/workflows/scripts/*.yaml``, which the wheel does not hold:
-export_patches reads them at the tag from a vllm-ascend git repository.
+export_patches reads them from the release's sdist (or at the tag of ``--git`` / ``$VLLM_ASCEND_GIT``).
 
-The tests marked ``needs_upstream_git`` apply each committed series to its tag in a clone of the
-repository that ``$VLLM_ASCEND_GIT`` names (``.ci/run`` sets it when the machine has one; the same
-variable export_patches reads) and run upstream's own scripts there, with and without the
-registration; they skip, saying so, without it.
+The last tests apply each committed series to the release's whole tree and run upstream's own
+scripts there, with and without the registration. The tree is the release sdist from the package
+index, committed and tagged in a temporary git repository (release_tree.py), or, when
+``$VLLM_ASCEND_GIT`` is set, that repository's tag: they need only what CI has.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from export_patches import (
     resolve,
     verify_checkout,
 )
+from release_tree import fake_sdist, release_repository
 
 MANIFESTS = sorted(PATCHES_DIR.glob("*.toml"))
 SCRIPTS = ".github/workflows/scripts"
@@ -104,13 +105,46 @@ def test_an_edit_outside_the_wheel_reads_the_file_at_the_tag_from_git(small: tup
     _git(upstream, "apply", "--check", str(tmp_path / "p.patch"))
 
 
-def test_an_edit_outside_the_wheel_without_git_is_refused_naming_the_option(
+def _sdist_of(upstream: Path, path: Path, version: str = "0.0.1", top: str | None = None) -> Path:
+    """The tag's tree as an sdist (setuptools-scm puts the tracked files of the tag in it)."""
+    tree = {f: _git(upstream, "show", f"v0.0.1:{f}") for f in _git(upstream, "ls-files").split()}
+    return fake_sdist(path, "vllm-ascend", version, tree, top=top)
+
+
+def test_without_git_an_edit_outside_the_wheel_reads_the_release_sdist(
     small: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    repo, upstream = small
+    manifest = load_manifest(repo / "patches/series.toml")
+    from_git = generate(manifest, resolve(manifest, repo), PristineSource(manifest, git_repo=upstream), tmp_path / "g")
+    sdist = _sdist_of(upstream, tmp_path / "vllm_ascend-0.0.1.tar.gz")
+    source = PristineSource(manifest, sdist=sdist)
+    assert generate(manifest, resolve(manifest, repo), source, tmp_path / "s") == from_git
+
+
+def test_an_edit_of_a_file_the_sdist_lacks_is_refused(small: tuple[Path, Path], tmp_path: Path) -> None:
     repo, _ = small
     manifest = load_manifest(repo / "patches/series.toml")
-    with pytest.raises(ExportError, match=r"config\.yaml is not in the pristine .*--git DIR or VLLM_ASCEND_GIT"):
-        generate(manifest, resolve(manifest, repo), PristineSource(manifest), tmp_path / "g")
+    source = PristineSource(manifest, sdist=fake_sdist(tmp_path / "empty.tar.gz", "vllm-ascend", "0.0.1"))
+    with pytest.raises(ExportError, match=r"config\.yaml is not in the pristine .*release sdist, or the tag of --git"):
+        generate(manifest, resolve(manifest, repo), source, tmp_path / "g")
+
+
+@pytest.mark.parametrize(
+    ("version", "top", "error"),
+    [
+        ("0.0.2", "vllm_ascend-0.0.1", "PKG-INFO does not name 0.0.1"),
+        ("0.0.1", "vllm_ascend-0.0.2", "vllm_ascend-0.0.2/PKG-INFO is outside vllm_ascend-0.0.1/"),
+    ],
+)
+def test_an_sdist_of_another_release_is_refused(
+    small: tuple[Path, Path], tmp_path: Path, version: str, top: str | None, error: str
+) -> None:
+    repo, upstream = small
+    manifest = load_manifest(repo / "patches/series.toml")
+    source = PristineSource(manifest, sdist=_sdist_of(upstream, tmp_path / "other.tar.gz", version, top))
+    with pytest.raises(ExportError, match="is not the sdist of vllm-ascend 0.0.1: .*" + error):
+        generate(manifest, resolve(manifest, repo), source, tmp_path / "g")
 
 
 def test_a_repository_without_the_tag_is_refused(small: tuple[Path, Path], tmp_path: Path) -> None:
@@ -135,24 +169,14 @@ def test_every_series_registers_its_e2e_test_in_upstreams_suite_config(path: Pat
         assert [f for f in added if f"    - {f}\n" not in scope] == []
 
 
-# --------------------------------------------- the committed series, applied to its tag, upstream's scripts
-def _upstream_git() -> Path | None:
-    value = os.environ.get("VLLM_ASCEND_GIT")
-    return Path(value) if value and Path(value).exists() else None
-
-
-needs_upstream_git = pytest.mark.skipif(
-    _upstream_git() is None, reason="set VLLM_ASCEND_GIT to a vllm-ascend git repository holding the release tags"
-)
-
-
+# ------------------------------------ the committed series, applied to the release's tree, upstream's scripts
 @pytest.fixture(scope="module", params=MANIFESTS, ids=lambda p: p.stem)
 def patched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """(a clone at the manifest's tag with the committed series applied, the e2e test's path in it)."""
-    upstream = _upstream_git()
-    assert upstream is not None
     manifest = load_manifest(request.param)
-    clone = verify_checkout(manifest, REPO_ROOT, upstream, tmp_path_factory.mktemp(manifest.tag))
+    workdir = tmp_path_factory.mktemp(manifest.tag)
+    upstream = release_repository(manifest, workdir)
+    clone = verify_checkout(manifest, REPO_ROOT, upstream, workdir)
     (e2e_path,) = [t for p in resolve(manifest) for t, s in p.sources.items() if s == E2E_SOURCE]
     return clone, e2e_path
 
@@ -183,7 +207,6 @@ def _without_registration(clone: Path) -> None:
     _git(clone, "checkout", "-q", tag, "--", SCRIPTS)
 
 
-@needs_upstream_git
 def test_upstreams_suite_check_passes_with_the_series_and_fails_without_the_registration(
     patched: tuple[Path, str],
 ) -> None:
@@ -200,7 +223,6 @@ def test_upstreams_suite_check_passes_with_the_series_and_fails_without_the_regi
         _git(clone, "checkout", "-q", "HEAD", "--", SCRIPTS)
 
 
-@needs_upstream_git
 def test_the_series_python_files_pass_upstreams_own_lint_tools(patched: tuple[Path, str]) -> None:
     """ruff with the tag's configuration (the tag pins the ruff of this environment, 0.14.0) and the
     tag's pre-commit checks written in Python (forbidden imports such as `re` or `pickle`, ...)."""
@@ -216,7 +238,6 @@ def test_the_series_python_files_pass_upstreams_own_lint_tools(patched: tuple[Pa
         assert run.returncode == 0, f"{' '.join(cmd[:2])}:\n{run.stdout}{run.stderr}"
 
 
-@needs_upstream_git
 def test_v0_23_selects_the_e2e_test_for_a_balance_change_and_routes_it_to_two_cards(patched: tuple[Path, str]) -> None:
     clone, e2e_path = patched
     if not (clone / SCRIPTS / "select_tests.py").exists():
