@@ -784,6 +784,8 @@ def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: 
 
 
 def _origin(source: PristineSource, manifest: Manifest) -> str:
+    if manifest.archive:  # every file from the commit's source archive
+        return source.origin
     outside = f"{manifest.tag} of {source.git_repo}" if source.git_repo else source.sdist_path()
     return f"{source.origin}; outside the wheel: {outside}"
 

@@ -16,6 +16,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+import pytest
 from export_patches import Manifest, PristineSource, load_manifest
 
 
@@ -60,6 +61,10 @@ def release_repository(manifest: Manifest, workdir: Path) -> Path:
     given = upstream_git()
     if given is not None:
         return given
+    if manifest.archive:
+        # A commit's line (main): its source archive is no git history, and a git tag named like the commit's
+        # hash would not resolve to a commit of another repository.
+        pytest.skip(f"{manifest.path.name}: set VLLM_ASCEND_GIT to a vllm-ascend git repository holding {manifest.tag}")
     source = release_source(manifest.path)
     source.sdist_files()  # its top directory and version checked
     with tarfile.open(source.sdist_path()) as archive:
