@@ -175,7 +175,8 @@ def test_a_version_without_a_series_is_one_line_naming_both(vllm_ascend_tree: Pa
         assert "no series for vllm-ascend 0.0.1" in only_line(refused.stderr)
     # An explicit series of another release: one line naming both versions.
     with_dist_info(vllm_ascend_tree, PROJECT.version)
-    other = next(path for path, (_, v) in manifest_versions().items() if v != PROJECT.version)
+    # A release's series (the main line's manifest names a commit: no "vllm-ascend-v<version>" directory).
+    other = next(path for path, (_, v) in manifest_versions().items() if v != PROJECT.version and "+" not in v)
     other_version = manifest_versions()[other][1]
     refused = run_tool("apply", "--target", vllm_ascend_tree, "--series", PATCHES_DIR / f"vllm-ascend-v{other_version}")
     line = only_line(refused.stderr)

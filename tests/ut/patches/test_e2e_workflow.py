@@ -51,7 +51,8 @@ def test_every_matrix_value_read_is_defined_and_every_compared_value_exists(job:
 
 def test_one_matrix_line_per_series_with_the_test_where_the_series_puts_it(job: dict[str, Any]) -> None:
     lines = _lines(job)
-    manifests = [load_manifest(path) for path in sorted(PATCHES_DIR.glob("*.toml"))]
+    # The release lines; the main series (a commit's PR, `[base] archive`) has no Ascend job yet: docs/e2e.md.
+    manifests = [m for m in map(load_manifest, sorted(PATCHES_DIR.glob("*.toml"))) if not m.archive]
     assert sorted(lines) == sorted(m.tag for m in manifests)
     for manifest in manifests:
         (target,) = [t for p in resolve(manifest) for t, s in p.sources.items() if s == E2E_SOURCE]
