@@ -240,6 +240,24 @@ def test_the_series_python_files_pass_upstreams_own_lint_tools(patched: tuple[Pa
         assert run.returncode == 0, f"{' '.join(cmd[:2])}:\n{run.stdout}{run.stderr}"
 
 
+def test_every_file_of_the_series_passes_upstreams_spell_checkers(patched: tuple[Path, str]) -> None:
+    """codespell and typos with the arguments of the tree's own pre-commit hooks (the series adds no Markdown
+    file, so markdownlint has nothing to check)."""
+    clone, _ = patched
+    base = _git(clone, "log", "--reverse", "--format=%H", "--author=Balance Scheduling", "HEAD").split()[0] + "^"
+    files = _git(clone, "diff", "--name-only", "--diff-filter=AM", base, "HEAD").split()
+    assert files and not [f for f in files if f.endswith(".md")]
+    hooks = {
+        hook["id"]: hook.get("args", [])
+        for repo in yaml.safe_load((clone / ".pre-commit-config.yaml").read_text())["repos"]
+        for hook in repo["hooks"]
+    }
+    for tool in ("codespell", "typos"):
+        cmd = [str(Path(sys.executable).with_name(tool)), *hooks[tool], *files]
+        run = subprocess.run(cmd, cwd=clone, capture_output=True, text=True)
+        assert run.returncode == 0, f"{tool}:\n{run.stdout}{run.stderr}"
+
+
 def test_v0_23_selects_the_e2e_test_for_a_balance_change_and_routes_it_to_two_cards(patched: tuple[Path, str]) -> None:
     clone, e2e_path = patched
     if not (clone / SCRIPTS / "select_tests.py").exists():
