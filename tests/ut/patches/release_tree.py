@@ -16,8 +16,16 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-import pytest
-from export_patches import Manifest, PristineSource, load_manifest
+from export_patches import (
+    Manifest,
+    PristineSource,
+    SourceArchive,
+    _git_env,
+    am,
+    load_manifest,
+    series_dir,
+    verify_checkout,
+)
 
 
 def fake_sdist(
@@ -61,10 +69,6 @@ def release_repository(manifest: Manifest, workdir: Path) -> Path:
     given = upstream_git()
     if given is not None:
         return given
-    if manifest.archive:
-        # A commit's line (main): its source archive is no git history, and a git tag named like the commit's
-        # hash would not resolve to a commit of another repository.
-        pytest.skip(f"{manifest.path.name}: set VLLM_ASCEND_GIT to a vllm-ascend git repository holding {manifest.tag}")
     source = release_source(manifest.path)
     source.sdist_files()  # its top directory and version checked
     with tarfile.open(source.sdist_path()) as archive:
@@ -74,4 +78,23 @@ def release_repository(manifest: Manifest, workdir: Path) -> Path:
     _git(repo, "add", "-A", "--force")
     _git(repo, "commit", "-q", "-m", f"{manifest.distribution} {manifest.version} (release sdist)")
     _git(repo, "tag", manifest.tag)
+    return repo
+
+
+def patched_tree(manifest: Manifest, root: Path, workdir: Path) -> Path:
+    """The release's tree with the committed series applied (``git am``) and checked against the project.
+
+    A commit's line (main, ``[base] archive``) without ``$VLLM_ASCEND_GIT``: its source archive committed in a
+    fresh repository (a git tag named like the commit's hash would not resolve to that commit), then the series.
+    """
+    if not manifest.archive or upstream_git() is not None:
+        return verify_checkout(manifest, root, release_repository(manifest, workdir), workdir)
+    archive = SourceArchive(manifest, root).path
+    with tarfile.open(archive) as tree:
+        tree.extractall(workdir, filter="data")
+    (repo,) = [path for path in workdir.iterdir() if path.is_dir()]
+    _git(workdir, "init", "-q", str(repo))
+    _git(repo, "add", "-A", "--force")
+    _git(repo, "commit", "-q", "-m", f"{manifest.distribution} {manifest.tag} (source archive)")
+    am(sorted(series_dir(manifest, root).glob("*.patch")), repo, _git_env(manifest))
     return repo

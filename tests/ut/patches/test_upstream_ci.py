@@ -29,9 +29,8 @@ from export_patches import (
     generate,
     load_manifest,
     resolve,
-    verify_checkout,
 )
-from release_tree import fake_sdist, release_repository
+from release_tree import fake_sdist, patched_tree
 
 MANIFESTS = sorted(PATCHES_DIR.glob("*.toml"))
 SCRIPTS = ".github/workflows/scripts"
@@ -175,8 +174,7 @@ def patched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """(a clone at the manifest's tag with the committed series applied, the e2e test's path in it)."""
     manifest = load_manifest(request.param)
     workdir = tmp_path_factory.mktemp(manifest.tag)
-    upstream = release_repository(manifest, workdir)
-    clone = verify_checkout(manifest, REPO_ROOT, upstream, workdir)
+    clone = patched_tree(manifest, REPO_ROOT, workdir)
     (e2e_path,) = [t for p in resolve(manifest) for t, s in p.sources.items() if s == E2E_SOURCE]
     return clone, e2e_path
 
@@ -202,10 +200,13 @@ def _upstream_check(clone: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _series_base(clone: Path) -> str:
+    """The parent of the series' first commit: the release's tag, or the main line's commit."""
+    return _git(clone, "log", "--reverse", "--format=%H", "--author=Balance Scheduling", "HEAD").split()[0] + "^"
+
+
 def _without_registration(clone: Path) -> None:
-    # The series' base: the parent of its first commit (a tag, or the main line's commit).
-    first = _git(clone, "log", "--reverse", "--format=%H", "--author=Balance Scheduling", "HEAD").split()[0]
-    _git(clone, "checkout", "-q", f"{first}^", "--", SCRIPTS)
+    _git(clone, "checkout", "-q", _series_base(clone), "--", SCRIPTS)
 
 
 def test_upstreams_suite_check_passes_with_the_series_and_fails_without_the_registration(
@@ -229,8 +230,7 @@ def test_the_series_python_files_pass_upstreams_own_lint_tools(patched: tuple[Pa
     """ruff with the tag's configuration (the tag pins the ruff of this environment, 0.14.0) and the
     tag's pre-commit checks written in Python (forbidden imports such as `re` or `pickle`, ...)."""
     clone, _ = patched
-    tag = _git(clone, "describe", "--tags", "--abbrev=0", "HEAD").strip()
-    files = _git(clone, "diff", "--name-only", "--diff-filter=AM", tag, "HEAD", "--", "*.py").split()
+    files = _git(clone, "diff", "--name-only", "--diff-filter=AM", _series_base(clone), "HEAD", "--", "*.py").split()
     assert files
     ruff = str(Path(sys.executable).with_name("ruff"))
     checks = ("check_forbidden_imports", "check_boolean_context_manager")
@@ -244,8 +244,7 @@ def test_every_file_of_the_series_passes_upstreams_spell_checkers(patched: tuple
     """codespell and typos with the arguments of the tree's own pre-commit hooks (the series adds no Markdown
     file, so markdownlint has nothing to check)."""
     clone, _ = patched
-    base = _git(clone, "log", "--reverse", "--format=%H", "--author=Balance Scheduling", "HEAD").split()[0] + "^"
-    files = _git(clone, "diff", "--name-only", "--diff-filter=AM", base, "HEAD").split()
+    files = _git(clone, "diff", "--name-only", "--diff-filter=AM", _series_base(clone), "HEAD").split()
     assert files and not [f for f in files if f.endswith(".md")]
     hooks = {
         hook["id"]: hook.get("args", [])
