@@ -74,6 +74,10 @@ def load_released_copy() -> tuple[type | None, str]:
     try:
         with torch_npu_stubbed_for_import():  # vllm-ascend 0.23's copy imports it at the top
             module_spec.loader.exec_module(module)
+            if importlib.util.find_spec("vllm_ascend.ascend_config") is not None:
+                # main's copy builds vllm-ascend's AscendConfig in __init__, which imports
+                # vllm_ascend.utils (torch_npu at the top, unused here) on first use.
+                importlib.import_module("vllm_ascend.utils")
     except Exception as exc:  # the reference column is optional: say why it is missing
         return None, f"cannot load vllm-ascend {version}'s {RELEASED_COPY}: {exc!r}"
     finally:

@@ -12,8 +12,15 @@ whose ``[base] version`` is the installed vllm-ascend's (or the release it is a 
 Pristine sources come from PyPI artefacts only (CI has no GitHub access): the installed
 vllm-ascend distribution when every file read matches its ``RECORD`` hash, else the release wheel
 fetched with ``pip download`` (its sha256 checked against the package index's before any use).
-The wheel holds ``vllm_ascend/`` but no ``tests/``; the series only *adds* files under ``tests/``,
-and ``--checkout`` verifies ``git am`` against a real tag checkout.
+The wheel holds ``vllm_ascend/`` only; files outside it (``tests/``, and ``.github/``: the e2e
+test's entry in upstream's suite configuration, which the series edits) come from the release's
+sdist, which holds the tag's whole tree (fetched with ``pip download --no-binary``, its sha256
+checked the same way, its top directory and ``PKG-INFO`` version checked), or, with ``--git DIR``
+or ``$VLLM_ASCEND_GIT``, at the manifest's tag from that vllm-ascend git repository (bare or not).
+``--checkout`` verifies ``git am`` against a real tag checkout.
+A line with no release on the package index (vllm-ascend main at a commit) names a source archive
+of that commit in ``[base] archive`` instead; every pristine file, ``tests/`` included, then comes
+from it (see SourceArchive).
 
     scripts/export_patches.py                    regenerate patches/<series>/
     scripts/export_patches.py --check            exit 1 if patches/ is stale or does not apply
@@ -33,6 +40,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -86,6 +94,8 @@ class PatchSpec:
     # Names none of this patch's files may contain once rewritten (as a whole identifier):
     # a form the rewrites do not cover fails the export instead of being half-rewritten.
     forbid: tuple[str, ...] = ()
+    # vllm-ascend files this patch deletes (each must exist in the pristine sources).
+    deletes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,8 @@ class Manifest:
     scope: tuple[str, ...]
     exclude: tuple[str, ...]
     patches: tuple[PatchSpec, ...]
+    # A source archive (or tree) of the base commit, relative to the repository root; None: PyPI.
+    archive: str | None = None
 
     @property
     def requirement(self) -> str:
@@ -173,6 +185,10 @@ def load_manifest(path: Path | None = None) -> Manifest:
     data = tomllib.loads(path.read_text())
     patches = []
     for entry in data["patch"]:
+        for edit in entry.get("edit", []):
+            # A patch key written after a [[patch.edit]] table lands in that table (TOML): refuse it.
+            if unknown := sorted(set(edit) - {"path", "find", "replace"}):
+                raise ExportError(f"{path.name}: [[patch.edit]] of {edit.get('path')} has unknown keys {unknown}")
         patches.append(
             PatchSpec(
                 slug=entry["slug"],
@@ -182,6 +198,7 @@ def load_manifest(path: Path | None = None) -> Manifest:
                 rewrites=tuple(Rewrite(r["find"], r["replace"]) for r in entry.get("rewrite", [])),
                 edits=tuple(Edit(e["path"], e["find"], e["replace"]) for e in entry.get("edit", [])),
                 forbid=tuple(entry.get("forbid", [])),
+                deletes=tuple(entry.get("delete", [])),
             )
         )
     return Manifest(
@@ -195,6 +212,7 @@ def load_manifest(path: Path | None = None) -> Manifest:
         scope=tuple(data["classify"]["scope"]),
         exclude=tuple(data["classify"]["exclude"]),
         patches=tuple(patches),
+        archive=data["base"].get("archive"),
     )
 
 
@@ -262,7 +280,7 @@ def resolve(manifest: Manifest, root: Path = REPO_ROOT) -> list[ResolvedPatch]:
             "files in the manifest's scope that no patch rule exports and `exclude` does not "
             f"list (add each to {manifest.path.name}):\n  " + "\n  ".join(unclassified)
         )
-    empty = [p.spec.slug for p in resolved if not p.files and not p.spec.edits]
+    empty = [p.spec.slug for p in resolved if not p.files and not p.spec.edits and not p.spec.deletes]
     if empty:
         raise ExportError(f"patches with no files: {', '.join(empty)}")
     return resolved
@@ -283,15 +301,60 @@ def _refuse_forbidden(text: bytes, spec: PatchSpec, source: str, manifest: Manif
 
 
 # ------------------------------------------------------------------------- pristine vllm-ascend
-class PristineSource:
-    """Reads files of the released vllm-ascend, from its installed copy or its wheel."""
+class SourceArchive:
+    """The vllm-ascend tree at the manifest's commit: a directory, or a ``.tar.gz`` holding it in one
+    top directory (``git archive`` output, as ``shared/upstream/vllm-ascend-main-<commit>.tar.gz``).
+    ``VLLM_ASCEND_SRC`` (as for scripts/bootstrap.sh) overrides the manifest's ``[base] archive``."""
 
-    def __init__(self, manifest: Manifest, wheel: Path | None = None, cache_dir: Path | None = None) -> None:
+    def __init__(self, manifest: Manifest, root: Path = REPO_ROOT) -> None:
+        given = os.environ.get("VLLM_ASCEND_SRC")
+        self.path = Path(given).resolve() if given else (root / str(manifest.archive)).resolve()
+        if not self.path.exists():
+            raise ExportError(
+                f"{manifest.path.name} reads pristine vllm-ascend {manifest.tag} from {self.path}, which does "
+                "not exist: put the source archive there or set VLLM_ASCEND_SRC to it (a directory or .tar.gz)"
+            )
+        self._files: dict[str, bytes] | None = None
+
+    def read(self, path: str) -> bytes | None:
+        if self.path.is_dir():
+            file = self.path / path
+            return file.read_bytes() if file.is_file() else None
+        if self._files is None:
+            self._files = {}
+            with tarfile.open(self.path) as archive:
+                for member in archive.getmembers():
+                    top, _, rest = member.name.partition("/")
+                    handle = archive.extractfile(member) if member.isfile() and rest else None
+                    if handle is not None:
+                        self._files[rest] = handle.read()
+        return self._files.get(path)
+
+
+class PristineSource:
+    """Reads files of the released vllm-ascend: ``vllm_ascend/`` from its installed copy or its wheel,
+    the rest from its sdist or, when given, the tag of a git repository; or (a manifest with ``[base] archive``)
+    every file from the source archive of its commit."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        wheel: Path | None = None,
+        cache_dir: Path | None = None,
+        git_repo: Path | None = None,
+        sdist: Path | None = None,
+    ) -> None:
         self._manifest = manifest
         self._wheel = wheel
+        self.git_repo = git_repo  # a vllm-ascend git repository: files outside the wheel, at the tag
+        self._sdist = sdist  # else the release sdist (downloaded on first use): files outside the wheel
+        self._sdist_files: dict[str, bytes] | None = None
         self._cache_dir = cache_dir or Path(tempfile.gettempdir()) / "vllm-ascend-balance-wheels"
-        self._installed = None if wheel else self._installed_record()
+        self._archive = SourceArchive(manifest) if manifest.archive and not wheel else None
+        self._installed = None if wheel or self._archive else self._installed_record()
         self.origin = str(wheel) if wheel else "installed distribution (RECORD-verified)"
+        if self._archive is not None:
+            self.origin = f"source archive {self._archive.path}"
 
     def _installed_record(self) -> dict[str, tuple[Path, str]] | None:
         try:
@@ -308,6 +371,8 @@ class PristineSource:
 
     def read(self, path: str) -> bytes | None:
         """The pristine content of ``path``, or None when the release has no such file."""
+        if self._archive is not None:
+            return self._archive.read(path)
         if self._installed is not None:
             if path not in self._installed:
                 if path.startswith("vllm_ascend/"):
@@ -321,13 +386,38 @@ class PristineSource:
                 # Modified (e.g. patched in place): fall back to the wheel for every file.
                 self._installed = None
         if not path.startswith("vllm_ascend/"):
-            # The wheel has no tests/; the series may only add files there (see module doc).
-            return None
+            # Not in the wheel: the tag's file, or the sdist's (None when absent there).
+            return self._read_tag(path) if self.git_repo is not None else self.sdist_files().get(path)
         with zipfile.ZipFile(self._wheel_path()) as wheel:
             try:
                 return wheel.read(path)
             except KeyError:
                 return None
+
+    def _read_tag(self, path: str) -> bytes | None:
+        """``path`` at the manifest's tag in ``git_repo``; None when the tag has no such file."""
+
+        def cat_file(*args: str) -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run(["git", "-C", str(self.git_repo), "cat-file", *args], capture_output=True)
+
+        tag = self._manifest.tag
+        if cat_file("-e", f"{tag}^{{commit}}").returncode != 0:
+            raise ExportError(f"{self.git_repo} is not a git repository holding vllm-ascend's tag {tag}")
+        if cat_file("-e", f"{tag}:{path}").returncode != 0:
+            return None
+        return cat_file("blob", f"{tag}:{path}").stdout
+
+    def sdist_path(self) -> Path:
+        """The release sdist: the one given, else downloaded (index-checked) into the cache."""
+        if self._sdist is None:
+            self._sdist = download_sdist(self._manifest.requirement, self._cache_dir)
+        return self._sdist
+
+    def sdist_files(self) -> dict[str, bytes]:
+        """Every regular file of the sdist, by path inside its top directory."""
+        if self._sdist_files is None:
+            self._sdist_files = read_sdist(self.sdist_path(), self._manifest.distribution, self._manifest.version)
+        return self._sdist_files
 
     def _wheel_path(self) -> Path:
         if self._wheel is None:
@@ -337,13 +427,21 @@ class PristineSource:
 
 
 def _pip(*args: str) -> subprocess.CompletedProcess[str]:
+    # For an sdist, pip prepares the metadata with vllm-ascend's setup.py (hence setuptools-scm in
+    # requirements/tools.txt, and no build isolation: its build requirements pin torch-npu). It
+    # builds NPU kernels unless COMPILE_CUSTOM_KERNELS=0 and asks npu-smi unless SOC_VERSION is set.
+    env = dict(os.environ, COMPILE_CUSTOM_KERNELS="0", SOC_VERSION=os.environ.get("SOC_VERSION", "ascend910b1"))
     return subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True, env=env
     )
 
 
-def index_sha256(requirement: str) -> str:
-    """The sha256 the package index publishes for the wheel pip would fetch for requirement.
+def _format_args(sdist: bool) -> tuple[str, ...]:
+    return ("--no-binary=:all:", "--no-build-isolation") if sdist else ("--only-binary=:all:",)
+
+
+def index_sha256(requirement: str, sdist: bool = False) -> str:
+    """The sha256 the package index publishes for the wheel (or sdist) pip would fetch for requirement.
 
     ``pip install --dry-run --report`` resolves from the index's metadata without installing
     anything (no dependencies, whatever is installed here).
@@ -353,7 +451,7 @@ def index_sha256(requirement: str) -> str:
         "--dry-run",
         "--no-deps",
         "--ignore-installed",
-        "--only-binary=:all:",
+        *_format_args(sdist),
         "-q",
         "--report",
         "-",
@@ -375,24 +473,24 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def download_wheel(requirement: str, dest: Path) -> Path:
-    """The release wheel (no dependencies) in dest, its sha256 checked against the index's.
+def download_wheel(requirement: str, dest: Path, sdist: bool = False) -> Path:
+    """The release wheel (or sdist; no dependencies) in dest, its sha256 checked against the index's.
 
-    A wheel already in dest is reused only when its hash matches (dest may be a shared temporary
-    directory: anything could have put a file there); otherwise it is removed and the wheel is
+    A file already in dest is reused only when its hash matches (dest may be a shared temporary
+    directory: anything could have put a file there); otherwise it is removed and the file is
     downloaded again, into a fresh directory, and checked the same way before it is moved in.
     """
     name, version = requirement.split("==")
-    stem = f"{name.replace('-', '_')}-{version}-"
-    expected = index_sha256(requirement)
-    for cached in sorted(dest.glob(f"{stem}*.whl")):
+    pattern = f"{name.replace('-', '_')}-{version}" + (".tar.gz" if sdist else "-*.whl")
+    expected = index_sha256(requirement, sdist)
+    for cached in sorted(dest.glob(pattern)):
         if file_sha256(cached) == expected:
             return cached
         cached.unlink()
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as fresh:
-        result = _pip("download", "--no-deps", "--only-binary=:all:", "-q", "-d", fresh, requirement)
-        wheels = sorted(Path(fresh).glob(f"{stem}*.whl"))
+        result = _pip("download", "--no-deps", *_format_args(sdist), "-q", "-d", fresh, requirement)
+        wheels = sorted(Path(fresh).glob(pattern))  # or the sdist
         if result.returncode != 0 or len(wheels) != 1:
             raise ExportError(f"could not download {requirement} with pip:\n{result.stderr.strip()}")
         actual = file_sha256(wheels[0])
@@ -402,6 +500,29 @@ def download_wheel(requirement: str, dest: Path) -> Path:
                 f"package index publishes {expected}: not using it"
             )
         return Path(shutil.move(wheels[0], dest / wheels[0].name))
+
+
+def download_sdist(requirement: str, dest: Path) -> Path:
+    """The release sdist in dest, checked as download_wheel checks a wheel."""
+    return download_wheel(requirement, dest, sdist=True)
+
+
+def read_sdist(path: Path, distribution: str, version: str) -> dict[str, bytes]:
+    """The regular files of an sdist by path inside its top directory, which must be the release's
+    (``vllm_ascend-0.18.0/``, its ``PKG-INFO`` naming that version)."""
+    top = f"{distribution.replace('-', '_')}-{version}"
+    refusal = f"{path} is not the sdist of {distribution} {version}"
+    files = {}
+    with tarfile.open(path) as archive:
+        for member in archive:
+            if member.name != top and not member.name.startswith(top + "/"):
+                raise ExportError(f"{refusal}: {member.name} is outside {top}/")
+            content = archive.extractfile(member) if member.isfile() else None
+            if content is not None:
+                files[member.name[len(top) + 1 :]] = content.read()
+    if f"\nVersion: {version}\n" not in files.get("PKG-INFO", b"").decode(errors="replace"):
+        raise ExportError(f"{refusal}: its PKG-INFO does not name {version}")
+    return files
 
 
 # ------------------------------------------------------------------------------ git machinery
@@ -436,6 +557,7 @@ def git(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 def _touched_paths(patches: list[ResolvedPatch]) -> list[str]:
     paths = {p for patch in patches for p in patch.files}
     paths |= {edit.path for patch in patches for edit in patch.spec.edits}
+    paths |= {path for patch in patches for path in patch.spec.deletes}
     return sorted(paths)
 
 
@@ -475,6 +597,10 @@ def generate(
             (repo / path).write_bytes(content)
         for edit in patch.spec.edits:
             _apply_edit(repo, edit, pristine.get(edit.path) is not None)
+        for path in patch.spec.deletes:
+            if pristine.get(path) is None:
+                raise ExportError(f"{patch.spec.slug} deletes {path}, which is not in the pristine vllm-ascend sources")
+            (repo / path).unlink()
         git(["add", "-A"], cwd=repo, env=env)
         message_file = workdir / f"{patch.spec.slug}.msg"
         message_file.write_text(commit_message(patch.spec))
@@ -501,7 +627,8 @@ def generate(
 def _apply_edit(repo: Path, edit: Edit, exists: bool) -> None:
     target = repo / edit.path
     if not exists:
-        raise ExportError(f"edit target {edit.path} is not in the pristine vllm-ascend sources")
+        where = "" if edit.path.startswith("vllm_ascend/") else " (read from the release sdist, or the tag of --git)"
+        raise ExportError(f"edit target {edit.path} is not in the pristine vllm-ascend sources{where}")
     text = target.read_text()
     count = text.count(edit.find)
     if count != 1:
@@ -580,6 +707,11 @@ def _compare_tree(repo: Path, patches: list[ResolvedPatch]) -> list[str]:
                 problems.append(f"after git am, {path} is missing ({patch.sources[path]} is new)")
             elif applied.read_bytes() != content:
                 problems.append(f"after git am, {path} differs from {patch.sources[path]}")
+        problems += [
+            f"after git am, {path} still exists (deleted by the series)"
+            for path in patch.spec.deletes
+            if (repo / path).exists()
+        ]
     return problems
 
 
@@ -602,11 +734,15 @@ def verify_checkout(manifest: Manifest, root: Path, checkout: Path, workdir: Pat
 # Loaded (as sitecustomize) by every Python process of a --run-tests session, subprocesses too.
 # vllm-ascend's package __init__ of vllm_ascend/patch/platform imports torch_npu, which cannot
 # exist on a CPU machine: the packages are registered without running it, and the patched
-# checkout's vllm_ascend/core and vllm_ascend/patch/platform come first on their search paths.
+# checkout's vllm_ascend (e.g. platform.py, which a series may edit), vllm_ascend/core and
+# vllm_ascend/patch/platform come first on their search paths (files only a build generates,
+# such as _build_info.py, still come from the installed package).
 _CPU_SHIM = """\
 import sys, types
-import vllm_ascend.core
+import vllm_ascend
 _root = {root!r}
+vllm_ascend.__path__.insert(0, _root + "/vllm_ascend")
+import vllm_ascend.core
 vllm_ascend.core.__path__.insert(0, _root + "/vllm_ascend/core")
 for _name in ("vllm_ascend.patch", "vllm_ascend.patch.platform"):
     _module = types.ModuleType(_name)
@@ -647,6 +783,13 @@ def run_series_unit_tests(manifest: Manifest, root: Path, clone: Path, workdir: 
     return subprocess.run(cmd, cwd=clone, env=env).returncode
 
 
+def _origin(source: PristineSource, manifest: Manifest) -> str:
+    if manifest.archive:  # every file from the commit's source archive
+        return source.origin
+    outside = f"{manifest.tag} of {source.git_repo}" if source.git_repo else source.sdist_path()
+    return f"{source.origin}; outside the wheel: {outside}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -661,7 +804,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wheel", type=Path, help="read pristine sources from this wheel instead of the installed copy"
     )
+    parser.add_argument("--sdist", type=Path, help="read pristine files outside vllm_ascend/ from this sdist")
     parser.add_argument("--checkout", type=Path, help="a vllm-ascend git repository: git am the series onto its tag")
+    parser.add_argument(
+        "--git",
+        type=Path,
+        default=os.environ.get("VLLM_ASCEND_GIT") or None,
+        help="a vllm-ascend git repository (bare or not) holding the tag: pristine files outside the wheel "
+        "(default: $VLLM_ASCEND_GIT, else --checkout, else the release sdist)",
+    )
     parser.add_argument("--keep", type=Path, help="with --checkout: leave the patched clone in this new directory")
     parser.add_argument(
         "--run-tests",
@@ -677,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = load_manifest(args.manifest)
         except ExportError as error:
             raise ExportError(f"{error}\nGive one with --manifest.") from None
-        source = PristineSource(manifest, wheel=args.wheel)
+        source = PristineSource(manifest, wheel=args.wheel, git_repo=args.git or args.checkout, sdist=args.sdist)
         if args.check:
             problems = check(manifest, root, source)
             if problems:
@@ -687,13 +838,12 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            print(f"{manifest.output} is current and applies to pristine {manifest.requirement} ({source.origin})")
+            origin = _origin(source, manifest)
+            print(f"{manifest.output} is current and applies to pristine {manifest.requirement} ({origin})")
         elif not args.checkout:
             written = export(manifest, root, source)
-            print(
-                f"wrote {len(written)} patches to {manifest.output} "
-                f"(pristine {manifest.requirement} from {source.origin}):"
-            )
+            origin = _origin(source, manifest)
+            print(f"wrote {len(written)} patches to {manifest.output} (pristine {manifest.requirement} from {origin}):")
             for name in written:
                 print(f"  {name}")
         if args.checkout:

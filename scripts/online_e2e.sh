@@ -5,11 +5,11 @@
 # client in bursts with idle gaps and JSON-mode requests, balance off and on (config switch).
 # Sets up (or reuses) the release line's environment first, like scripts/test.sh.
 #
-#   scripts/online_e2e.sh [LINE] [pytest args...]     LINE = v0.18.0 (default) or v0.23.0
+#   scripts/online_e2e.sh [LINE] [pytest args...]     LINE = v0.18.0 (default), v0.23.0 or main
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 line="v0.18.0"
-if [ $# -gt 0 ] && [[ "$1" == v* ]]; then line="$1"; shift; fi
+if [ $# -gt 0 ] && [[ "$1" == v* || "$1" == main ]]; then line="$1"; shift; fi
 venv="$("$root/scripts/bootstrap.sh" "$line")"
 cd "$root"
 start=$SECONDS

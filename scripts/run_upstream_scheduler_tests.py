@@ -7,9 +7,16 @@ do. If ``BalanceScheduler`` / ``BalanceAsyncScheduler`` pass them in place of ``
 
 Offline: the source archive is fetched through pip's configured package index (and cached); the
 hub models the tests name (OPT-125m, LLaVA-1.5) are replaced by tiny generated ones in a private
-Hugging Face cache. ``--stock`` runs the same tests on vLLM's own classes, for comparison.
+Hugging Face cache. ``--stock`` runs the same tests on vLLM's own classes, for comparison;
+``--vllm-ascend-copy`` on the installed vllm-ascend's copied ``BalanceScheduler`` (balance on), the
+implementation this project replaces.
 
-    .venv/bin/python scripts/run_upstream_scheduler_tests.py [--keep DIR] [pytest args...]
+The balanced classes are swapped in directly, so vLLM's tests build them without a ``VllmConfig``
+decision: what balance scheduling refuses at config time (PD-disaggregated ``kv_role``, Ray DP)
+is not refused here, and vLLM's PD-role tests run on the balanced classes like every other test
+(none is deselected; the refusals have their own unit tests).
+
+    .venv/bin/python scripts/run_upstream_scheduler_tests.py [--keep DIR] [--stock | --vllm-ascend-copy] [pytest ...]
 """
 
 from __future__ import annotations
@@ -82,6 +89,55 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     names = sorted(set(_built))
     terminalreporter.write_line(f"balanced schedulers built: {len(_built)} ({', '.join(names)})")
+'''
+
+
+COPY_PLUGIN = '''
+"""pytest plugin: vllm-ascend's copied BalanceScheduler as vLLM's Scheduler, balance on, as vllm-ascend
+main's platform patches leave it (its AsyncScheduler is built on the copy too). torch_npu is stubbed the
+way vllm-ascend's tests/ut/conftest.py does, after vLLM and transformers have probed for it."""
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
+import vllm.config  # noqa: F401  (transformers probes torch_npu with find_spec while importing)
+import vllm.v1.core.sched.scheduler as scheduler_module
+
+torch_npu = types.ModuleType("torch_npu")
+torch_npu.__spec__ = importlib.util.spec_from_loader("torch_npu", loader=None)
+sys.modules["torch_npu"] = torch_npu
+importlib.import_module("vllm_ascend.utils")
+_name = "vllm_ascend.patch.platform.patch_balance_schedule"
+_package = Path(importlib.util.find_spec("vllm_ascend").submodule_search_locations[0])
+_path = _package / "patch" / "platform" / "patch_balance_schedule.py"
+_spec = importlib.util.spec_from_file_location(_name, _path)
+copy = importlib.util.module_from_spec(_spec)
+sys.modules[_name] = copy
+_spec.loader.exec_module(copy)  # rebinds vllm.v1.core.sched.scheduler.Scheduler to its BalanceScheduler
+assert scheduler_module.Scheduler is copy.BalanceScheduler
+if "vllm.v1.core.sched.async_scheduler" in sys.modules:  # built on vLLM's Scheduler before the rebinding
+    importlib.reload(sys.modules["vllm.v1.core.sched.async_scheduler"])
+
+_built = []
+_original_init = copy.BalanceScheduler.__init__
+
+
+def _recording_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    assert self._balance_enabled, "the copy did not switch balance scheduling on"
+    _built.append(type(self).__name__)
+
+
+copy.BalanceScheduler.__init__ = _recording_init
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    names = sorted(set(_built))
+    terminalreporter.write_line(f"vllm-ascend copy schedulers built: {len(_built)} ({', '.join(names)})")
 '''
 
 
@@ -220,7 +276,13 @@ def fake_llava(hf_home: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
-    parser.add_argument("--stock", action="store_true", help="run on vLLM's own classes")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--stock", action="store_true", help="run on vLLM's own classes")
+    mode.add_argument(
+        "--vllm-ascend-copy",
+        action="store_true",
+        help="run on the installed vllm-ascend's copied BalanceScheduler (balance on; vllm-ascend main)",
+    )
     args, pytest_args = parser.parse_known_args()
     version = vllm.__version__
     work = args.keep or Path(tempfile.mkdtemp(prefix="upstream-sched-tests-"))
@@ -228,6 +290,7 @@ def main() -> int:
     extract_tests(fetch_sdist(version), version, work)
     (work / "cpu_platform_plugin.py").write_text(CPU_PLUGIN)
     (work / "balance_swap_plugin.py").write_text(SWAP_PLUGIN)
+    (work / "vllm_ascend_copy_plugin.py").write_text(COPY_PLUGIN)
     hf_home = work / "hf-home"
     fake_hub_model(
         hf_home,
@@ -288,7 +351,11 @@ def main() -> int:
         "PYTHONPATH": str(work),
         "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", "ascend_balance_scheduling"),
     }
-    swap = [] if args.stock else ["-p", "balance_swap_plugin"]
+    swap = ["-p", "balance_swap_plugin"]
+    if args.stock:
+        swap = []
+    elif args.vllm_ascend_copy:
+        swap, env["VLLM_PLUGINS"] = ["-p", "vllm_ascend_copy_plugin"], "none"
     command = [
         sys.executable,
         "-m",

@@ -18,11 +18,14 @@ from typing import Any
 import torch
 from offline_vllm import runner_output
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 SAMPLED_TOKEN = 5
 
 
-class FakeGrammar:
+class FakeGrammar(StructuredOutputGrammar):
+    """A real ``StructuredOutputGrammar`` (vLLM >= 0.24 asserts the type) that accepts every token."""
+
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         return True
 
@@ -32,8 +35,8 @@ class FakeGrammar:
     def rollback(self, num_tokens: int) -> None:
         pass
 
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        bitmask[index].fill_(-1)
+    def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
+        bitmask[batch_index].fill_(-1)
 
     def is_terminated(self) -> bool:
         return False

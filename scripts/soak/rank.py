@@ -65,9 +65,9 @@ def _run(
     from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
     from vllm.plugins import load_general_plugins
     from vllm.v1.engine.core import DPEngineCoreProc
-    from vllm_ascend_balance.patch_balance_schedule import register
 
     from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
+    from vllm_ascend_balance.patch_balance_schedule import register
 
     load_general_plugins()  # as EngineCore.__init__ does: the balance plugin wires the scheduler
     # A forked rank inherits plugins_loaded from its parent, which may have loaded them with the
@@ -133,6 +133,9 @@ def make_engine_core(config: Any, scheduler: Any, executor: Any, dp_group: Any, 
     # vLLM 0.23's two-phase pause protocol state (unused attributes on 0.18).
     core.pending_pause = False
     core.ignore_start_dp_wave = False
+    # vLLM >= 0.24: the DP prefill throttle (interval 1 = off, vLLM's default) and the draft-token check.
+    core.prefill_schedule_interval = getattr(config.scheduler_config, "prefill_schedule_interval", 1)
+    core.check_for_draft_tokens = False  # no speculative decoding, no diffusion model here
     return core
 
 

@@ -80,6 +80,7 @@ def vllm_restored() -> Iterator[None]:
     DP engine class, the wiring's recorded vLLM function, and the copying module's name."""
     import vllm.v1.engine.core as engine_core_module
     from vllm.config import SchedulerConfig, VllmConfig
+
     from vllm_ascend_balance import patch_balance_schedule as wiring
 
     saved = [

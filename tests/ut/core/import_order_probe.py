@@ -58,6 +58,7 @@ def main(order: str, switch: str, model_dir: str) -> None:
     additional_config = {"enable_balance_scheduling": True} if switch == "config" else None
     from offline_vllm import make_vllm_config  # PYTHONPATH from the test
     from vllm.v1.engine.core import EngineCoreProc
+
     from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
     vllm_launch = EngineCoreProc.__dict__["run_engine_core"].__func__

@@ -44,13 +44,13 @@ from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCoreProc
-from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 from vllm_ascend.core.balance_scheduler import (
     BalanceAsyncScheduler,
     BalanceScheduler,
     BalanceSchedulingMixin,
 )
+from vllm_ascend_balance import patch_balance_coexist, patch_balance_schedule
 
 DIST_NAME = "vllm-ascend-balance-scheduling"
 PLUGIN_NAME = "ascend_balance_scheduling"
@@ -375,4 +375,4 @@ def test_vllm_ascend_copy_installed_first_is_repaired_only_when_on(
     }
     assert rebuilt.__globals__ is VLLM_RUN_ENGINE_CORE.__globals__
     assert rebuilt.__qualname__ == "EngineCoreProc.run_engine_core"
-    assert "replaced EngineCoreProc.run_engine_core with a stale copy" in caplog.text
+    assert "replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own" in caplog.text

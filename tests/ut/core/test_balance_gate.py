@@ -30,7 +30,6 @@ from offline_vllm import build_scheduler, emulate_gather, make_request, make_vll
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
 from vllm_ascend.core import balance_scheduler as balance_module
 from vllm_ascend.core.balance_scheduler import (
@@ -38,6 +37,7 @@ from vllm_ascend.core.balance_scheduler import (
     BalanceScheduler,
     balance_scheduler_class,
 )
+from vllm_ascend_balance.patch_balance_schedule import balance_scheduling_flag, decide
 
 CAP = 4
 
@@ -312,12 +312,27 @@ def test_schedule_arguments_are_forwarded_untouched(balance_on: None, config: An
     assert received == [(True, ("x",), {"key": 1}), (True, (), {})]
 
 
-def test_a_class_that_ignores_the_seam_is_refused(balance_on: None, config: Any) -> None:
-    dynamic_batch = pytest.importorskip(
-        "vllm_ascend.core.scheduler_dynamic_batch", reason="vllm-ascend with SchedulerDynamicBatch (0.18, 0.23)"
-    )
-    SchedulerDynamicBatch = dynamic_batch.SchedulerDynamicBatch
+class EagerScheduler(Scheduler):  # type: ignore[misc,valid-type]
+    """Admits the oldest waiting request before vLLM's schedule(), whatever the pause state."""
 
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self.waiting:
+            self.running.append(self.waiting.pop_request())
+        return super().schedule(*args, **kwargs)
+
+
+def test_a_class_that_ignores_the_seam_is_refused(balance_on: None, config: Any) -> None:
+    with pytest.raises(
+        RuntimeError, match=r"(?s)cannot gate BalanceEagerScheduler.*admission outside the UNPAUSED guard"
+    ):
+        build_scheduler(balance_scheduler_class(EagerScheduler), config)
+
+
+def test_vllm_ascends_dynamic_batch_scheduler_is_refused(balance_on: None, config: Any) -> None:
+    try:
+        from vllm_ascend.core.scheduler_dynamic_batch import SchedulerDynamicBatch
+    except ImportError:
+        pytest.skip("this line's vllm-ascend has no SchedulerDynamicBatch (removed on main)")
     with pytest.raises(RuntimeError, match=r"SchedulerDynamicBatch.*outside the UNPAUSED guard"):
         build_scheduler(balance_scheduler_class(SchedulerDynamicBatch), config)
 

@@ -38,11 +38,11 @@ import pytest
 from offline_vllm import build_scheduler, make_request, make_vllm_config
 from vllm.config import ParallelConfig, VllmConfig
 from vllm.v1.engine.core import DPEngineCoreProc
-from vllm_ascend_balance.patch_balance_schedule import decide, register
 
 from vllm_ascend.core import balance_engine_core
 from vllm_ascend.core.balance_engine_core import AGREEMENT_TIMEOUT_ENV, BalanceDPEngineCoreProc
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
+from vllm_ascend_balance.patch_balance_schedule import decide, register
 
 BOUND_S = 90.0  # every process of a group must have exited by then, whatever the outcome
 SHORT_AGREEMENT_S = "3"  # the agreement's bound where a rank is missing (the default, 60 s, elsewhere)

@@ -29,7 +29,7 @@ import pytest
 from balance_fixtures import helper_process_env
 
 PROBE = Path(__file__).parents[1] / "core" / "import_order_probe.py"
-REPAIR_LOG = "replaced EngineCoreProc.run_engine_core with a stale copy"
+REPAIR_LOG = "replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own"
 
 
 @pytest.mark.parametrize("switch", ["env", "config"])

@@ -156,9 +156,8 @@ def test_detects_the_launcher_target_changed() -> None:
 
 
 def test_install_refuses_when_a_seam_moved(balance_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend_balance import patch_balance_schedule
-
     from vllm_ascend.core import balance_seam
+    from vllm_ascend_balance import patch_balance_schedule
 
     monkeypatch.setattr(balance_seam, "engine_seam_problems", lambda: ["DPEngineCoreProc.run_busy_loop is gone"])
     with pytest.raises(RuntimeError, match="no longer offers the seam"):

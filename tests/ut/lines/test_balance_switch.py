@@ -16,6 +16,8 @@ from offline_vllm import build_scheduler, emulate_gather, make_request, make_vll
 from pytest_mock import MockerFixture
 from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend_balance import patch_balance_schedule as wiring
 from vllm_ascend_balance.patch_balance_schedule import (
     BALANCE_SCHEDULING_CONFIG_KEY,
@@ -24,8 +26,6 @@ from vllm_ascend_balance.patch_balance_schedule import (
     recorded_decision,
     switches,
 )
-
-from vllm_ascend.core.balance_scheduler import BalanceScheduler
 
 CAP = 2
 

@@ -1,6 +1,7 @@
 """Facts about the installed release line that this project's one source relies on.
 
-The same source runs on vLLM 0.18.0 + vllm-ascend 0.18.0 and on vLLM 0.23.0 + vllm-ascend 0.23.0.
+The same source runs on vLLM 0.18.0 + vllm-ascend 0.18.0, on vLLM 0.23.0 + vllm-ascend 0.23.0 and on
+vLLM 0.27.1 + vllm-ascend main at commit 182b75ea84ff (built from source, version ``0.0.0+main.182b75ea84ff``).
 Product code uses capability checks, not version strings; these tests pin what each line looks
 like so that a new release, or a venv built with a mismatched pair, fails here first and loudly.
 vllm-ascend's copying module is read as text (AST), never imported: importing it rebinds vLLM's
@@ -20,13 +21,17 @@ import pytest
 from offline_vllm import BLOCK_SIZE, build_scheduler, kv_cache_config_for, make_vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
+from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
-SUPPORTED_LINES = ("0.18.0", "0.23.0")
+# vLLM version -> the vllm-ascend it pairs with on that line.
+SUPPORTED_LINES = {"0.18.0": "0.18.0", "0.23.0": "0.23.0", "0.27.1": "0.0.0+main.182b75ea84ff"}
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
-COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional"}
+COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional", "0.27.1": "unconditional"}
+# The arguments of vLLM's Scheduler.schedule() on each line (0.24 added the DP prefill throttle).
+SCHEDULE_PARAMETERS = {"0.18.0": ["self"], "0.23.0": ["self"], "0.27.1": ["self", "throttle_prefills"]}
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
 def installed_line() -> str:
@@ -42,7 +47,8 @@ def vllm_ascend_file(relative: str) -> Path:
 def test_installed_pair_is_a_supported_line() -> None:
     vllm_version, ascend_version = metadata.version("vllm"), metadata.version("vllm-ascend")
     assert vllm_version in SUPPORTED_LINES, f"vllm {vllm_version} is not a maintained line"
-    assert ascend_version == vllm_version, f"vllm-ascend {ascend_version} does not pair with vllm {vllm_version}"
+    expected = SUPPORTED_LINES[vllm_version]
+    assert ascend_version == expected, f"vllm-ascend {ascend_version} does not pair with vllm {vllm_version}"
 
 
 def test_vllm_ascend_copy_lives_where_the_wiring_expects_it() -> None:
@@ -53,9 +59,22 @@ def test_vllm_ascend_copy_lives_where_the_wiring_expects_it() -> None:
     assert any(
         isinstance(item, ast.FunctionDef) and item.name == "schedule" for item in classes["BalanceScheduler"].body
     ), "its schedule() copy is gone"
-    # The module-level rebinding the wiring undoes (Scheduler) or replaces (run_engine_core).
-    rebound = {ast.unparse(target) for node in tree.body if isinstance(node, ast.Assign) for target in node.targets}
-    assert "vllm.v1.core.sched.scheduler.Scheduler" in rebound
+    # The module-level rebinding the wiring undoes (Scheduler) or replaces (run_engine_core); main spells
+    # vLLM's scheduler module through an alias (``import vllm.v1.core.sched.scheduler as _sched_mod``).
+    aliases = {
+        alias.asname: alias.name
+        for node in tree.body
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.asname is not None
+    }
+    rebound = set()
+    for node in tree.body:
+        for target in node.targets if isinstance(node, ast.Assign) else []:
+            text = ast.unparse(target)
+            head, _, attribute = text.partition(".")
+            rebound.add(f"{aliases[head]}.{attribute}" if head in aliases and attribute else text)
+    assert f"{SCHEDULER_MODULE}.Scheduler" in rebound
     assert "EngineCoreProc.run_engine_core" in rebound
 
 
@@ -117,9 +136,9 @@ def test_balance_scheduler_takes_exactly_vllms_constructor(balance_on: None, tin
         )
 
 
-def test_schedule_takes_no_arguments_on_this_line(balance_on: None, tiny_model: Path) -> None:
-    """vllm-ascend's copy threads ``throttle_prefills`` for newer vLLM; neither line's vLLM has
-    it, and the gate forwards whatever ``schedule()`` gets."""
-    assert list(inspect.signature(Scheduler.schedule).parameters) == ["self"]
+def test_schedule_takes_this_lines_arguments(balance_on: None, tiny_model: Path) -> None:
+    """vLLM 0.24 added ``throttle_prefills``; 0.18 and 0.23 have no argument. The gate forwards whatever
+    ``schedule()`` gets (tests/ut/core/test_throttle_prefills.py shows the two compose)."""
+    assert list(inspect.signature(Scheduler.schedule).parameters) == SCHEDULE_PARAMETERS[installed_line()]
     scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_model, dp_size=2))
     assert scheduler.schedule().total_num_scheduled_tokens == 0

@@ -1,10 +1,12 @@
 """Shared set-up for the patch-tool tests: a small synthetic repository and its series.
 
 The pristine side is real: the installed vllm-ascend release's files (checked against the
-distribution's RECORD); the synthetic manifest follows the project's manifest for that release
-(see release_manifest.py). The repository side is a few files written per test, so the tests do
-not depend on what other work is in the tree. Tests that need the installed release skip, with the
-reason, when it is not exactly a release the project has a manifest for.
+distribution's RECORD); outside ``vllm_ascend/``, where the synthetic series only adds files, a
+stand-in sdist holding none (release_tree.py). The synthetic manifest follows the project's
+manifest for that release (see release_manifest.py). The repository side is a few files written
+per test, so the tests do not depend on what other work is in the tree. Tests that need the
+installed release skip, with the reason, when it is not exactly a release the project has a
+manifest for.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import importlib.metadata as metadata
 from pathlib import Path
 
 import pytest
-from export_patches import Manifest, PristineSource, generate, load_manifest, resolve
-from release_manifest import FILES, INIT, MANIFEST, PROJECT, UNAVAILABLE, WIRING_SOURCE
+from export_patches import ExportError, Manifest, PristineSource, generate, load_manifest, resolve
+from release_manifest import FILES, INIT, INSTALLED_TOUCHED, MANIFEST, PROJECT, UNAVAILABLE, WIRING_SOURCE
+from release_tree import fake_sdist
 from tool_runner import with_dist_info
 
 
@@ -70,13 +73,23 @@ def _record_intact(project: Manifest, paths: list[str]) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def pristine() -> PristineSource:
+def empty_sdist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The release's sdist as these tests see it: no file the synthetic series adds (offline)."""
+    project = _require_release()
+    return fake_sdist(tmp_path_factory.mktemp("sdist") / "release.tar.gz", project.distribution, project.version)
+
+
+@pytest.fixture(scope="session")
+def pristine(empty_sdist: Path) -> PristineSource:
     project = _require_release()
     # These tests need the installed, unmodified release (no network in unit tests).
     reason = _record_intact(project, [INIT, WIRING_SOURCE])
     if reason:
         pytest.skip(reason)
-    source = PristineSource(project)
+    try:
+        source = PristineSource(project, sdist=empty_sdist)
+    except ExportError as error:  # a commit's line (main) whose source archive is not on this machine
+        pytest.skip(str(error))
     assert source.read(INIT) is not None
     return source
 
@@ -94,14 +107,15 @@ def series(repo: Path, manifest: Manifest, pristine: PristineSource, tmp_path: P
 
 @pytest.fixture
 def vllm_ascend_tree(tmp_path: Path, pristine: PristineSource) -> Path:
-    """A plain directory holding the pristine files the synthetic series modifies."""
+    """A plain directory holding the pristine files the synthetic series modifies (and every other
+    ``vllm_ascend/`` file the project's series changes, so that series applies to it too)."""
     root = tmp_path / "vllm-ascend"
-    for path in (INIT, WIRING_SOURCE):
+    for path in INSTALLED_TOUCHED:
         content = pristine.read(path)
         assert content is not None
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_bytes(content)
-    (root / "vllm_ascend" / "core").mkdir()
+    (root / "vllm_ascend" / "core").mkdir(exist_ok=True)
     return root
 
 

@@ -100,6 +100,11 @@ except ExportError as error:
     PROJECT = None
     UNAVAILABLE = f"no patch manifest for the installed vllm-ascend: {error}".replace("\n", " ")
 needs_release = pytest.mark.skipif(PROJECT is None, reason=UNAVAILABLE or "")
+# A line cut against a commit (vllm-ascend main, [base] archive) has no releases, so no post-releases.
+has_post_releases = pytest.mark.skipif(
+    PROJECT is not None and PROJECT.archive is not None,
+    reason="the installed vllm-ascend is a commit of main (no release, so no post-release follows it)",
+)
 
 if PROJECT is not None:
     WIRING_TARGET = wiring_target(PROJECT)
@@ -115,8 +120,18 @@ if PROJECT is not None:
         [WIRING_TARGET] if WIRING_TARGET != WIRING_SOURCE else []
     )
     MANIFEST = _synthetic_manifest()
+    # Every installed-package file the project's series changes: a site-packages target holds them all.
+    INSTALLED_TOUCHED = sorted(
+        {INIT, WIRING_SOURCE}
+        | {
+            path
+            for spec in PROJECT.patches
+            for path in [edit.path for edit in spec.edits] + list(spec.deletes)
+            if path.startswith("vllm_ascend/")
+        }
+    )
 else:  # every test that uses these is skipped (needs_release, or the fixtures of conftest.py)
-    WIRING_TARGET = INIT_EDITS = REGISTER_CALL = NEW_FILES = MANIFEST = None  # type: ignore
+    WIRING_TARGET = INIT_EDITS = REGISTER_CALL = NEW_FILES = MANIFEST = INSTALLED_TOUCHED = None  # type: ignore
 
 FILES = {
     "vllm_ascend/core/balance_example.py": '"""Example."""\nVALUE = 1\n',

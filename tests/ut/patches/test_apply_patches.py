@@ -14,8 +14,8 @@ from pathlib import Path
 import patch_journal
 import pytest
 from apply_patches import ApplyError, Status, find_target, main
-from export_patches import PATCHES_DIR, manifest_versions
-from release_manifest import INIT, NEW_FILES, PROJECT, REGISTER_CALL, needs_release
+from export_patches import PATCHES_DIR, load_manifest, manifest_versions
+from release_manifest import INIT, NEW_FILES, PROJECT, REGISTER_CALL, has_post_releases, needs_release
 from tool_runner import run_tool, snapshot, with_dist_info
 
 
@@ -159,7 +159,7 @@ def test_the_series_follows_the_targets_version_not_the_running_pythons(vllm_asc
         # This release's series applies to its pristine files; the other's is chosen for the
         # other version (and does not apply to files of this release).
         assert status.returncode == expect, status.stdout
-        assert f"patches/vllm-ascend-v{version}" in status.stdout
+        assert load_manifest(releases[version]).output in status.stdout
 
 
 def test_a_version_without_a_series_is_one_line_naming_both(vllm_ascend_tree: Path) -> None:
@@ -175,7 +175,8 @@ def test_a_version_without_a_series_is_one_line_naming_both(vllm_ascend_tree: Pa
         assert "no series for vllm-ascend 0.0.1" in only_line(refused.stderr)
     # An explicit series of another release: one line naming both versions.
     with_dist_info(vllm_ascend_tree, PROJECT.version)
-    other = next(path for path, (_, v) in manifest_versions().items() if v != PROJECT.version)
+    # A release's series (the main line's manifest names a commit: no "vllm-ascend-v<version>" directory).
+    other = next(path for path, (_, v) in manifest_versions().items() if v != PROJECT.version and "+" not in v)
     other_version = manifest_versions()[other][1]
     refused = run_tool("apply", "--target", vllm_ascend_tree, "--series", PATCHES_DIR / f"vllm-ascend-v{other_version}")
     line = only_line(refused.stderr)
@@ -183,6 +184,7 @@ def test_a_version_without_a_series_is_one_line_naming_both(vllm_ascend_tree: Pa
     assert f"is vllm-ascend {PROJECT.version}" in line
 
 
+@has_post_releases
 def test_a_post_release_uses_the_base_series_only_when_its_files_are_the_releases(
     vllm_ascend_tree: Path, series: Path, repo: Path
 ) -> None:

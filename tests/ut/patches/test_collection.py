@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from export_patches import REPO_ROOT
-from release_manifest import PROJECT, needs_release
+from release_manifest import PROJECT, has_post_releases, needs_release
 
 HERE = Path(__file__).parent
 # Both modules are collected (imports included); of their tests, those that need the installed
@@ -59,6 +59,7 @@ def test_a_version_without_a_manifest_skips_with_the_reason(tmp_path: Path) -> N
 
 
 @needs_release
+@has_post_releases
 def test_a_post_release_finds_its_manifest_and_skips_what_needs_the_exact_files(tmp_path: Path) -> None:
     run = _pytest_seeing(f"{PROJECT.version}.post1", tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]

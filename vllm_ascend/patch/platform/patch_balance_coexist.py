@@ -59,6 +59,9 @@ from vllm_ascend.core.balance_seam import method_node
 from . import patch_balance_schedule as wiring
 
 COPYING_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
+# What replaces EngineCoreProc.run_engine_core at import: the copy, and on vllm-ascend main DyntraLB's wrapper of it
+# (main refuses DyntraLB with balance scheduling on, so the wrapper would only delegate to the copy).
+REPLACING_MODULES = (COPYING_MODULE, "vllm_ascend.patch.platform.patch_dyntra_lb_core")
 
 
 def register() -> None:
@@ -107,8 +110,8 @@ def _copy_free_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) ->
 
 def _copy_free_post_init(original: Callable[..., None]) -> Callable[..., None]:
     def __post_init__(self: VllmConfig, *args: Any, **kwargs: Any) -> None:
-        copy = EngineCoreProc.__dict__["run_engine_core"]
-        if EngineCoreProc.run_engine_core.__module__ != COPYING_MODULE:
+        copy, replaced_by = EngineCoreProc.__dict__["run_engine_core"], EngineCoreProc.run_engine_core.__module__
+        if replaced_by not in REPLACING_MODULES:
             return original(self, *args, **kwargs)
         EngineCoreProc.run_engine_core = staticmethod(_rebuilt_vllm_run_engine_core())
         try:
@@ -116,9 +119,8 @@ def _copy_free_post_init(original: Callable[..., None]) -> Callable[..., None]:
         finally:
             if EngineCoreProc.run_engine_core is wiring.run_engine_core:
                 logger.info(
-                    "Balance scheduling is on: %s replaced EngineCoreProc.run_engine_core with a stale copy; rebuilt "
-                    "vLLM's own from %s.",
-                    COPYING_MODULE,
+                    "Balance scheduling is on: %s replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own from %s.",
+                    replaced_by,
                     engine_core_module.__file__,
                 )
             else:
