@@ -59,10 +59,12 @@ def load_released_copy() -> tuple[type | None, str]:
     a stand-alone module (it imports nothing from vllm_ascend). Importing it rebinds vLLM's
     ``Scheduler`` and ``EngineCoreProc.run_engine_core`` globally; both are put back at once.
     """
-    spec = importlib.util.find_spec("vllm_ascend")  # locates the package, runs nothing
-    if spec is None or not spec.submodule_search_locations:
+    try:  # the distribution, not the package: this project installs into ``vllm_ascend`` too
+        version = importlib.metadata.version("vllm-ascend")
+    except importlib.metadata.PackageNotFoundError:
         return None, "vllm-ascend is not installed"
-    version = importlib.metadata.version("vllm-ascend")
+    spec = importlib.util.find_spec("vllm_ascend")  # locates the package, runs nothing
+    assert spec is not None and spec.submodule_search_locations
     path = Path(list(spec.submodule_search_locations)[0]) / RELEASED_COPY
     if not path.is_file():
         return None, f"vllm-ascend {version} has no {RELEASED_COPY}"

@@ -133,8 +133,12 @@ def make_engine_core(config: Any, scheduler: Any, executor: Any, dp_group: Any, 
     # vLLM 0.23's two-phase pause protocol state (unused attributes on 0.18).
     core.pending_pause = False
     core.ignore_start_dp_wave = False
+    # vLLM 0.33's pause-rejection flag and the weight version stamped on outputs (unused before).
+    core.reject_new_requests = False
+    core._weight_version = "default"
     # vLLM >= 0.24: the DP prefill throttle (interval 1 = off, vLLM's default) and the draft-token check.
     core.prefill_schedule_interval = getattr(config.scheduler_config, "prefill_schedule_interval", 1)
+    core.dp_sync_interval = getattr(config.parallel_config, "dp_sync_interval", 1)  # vLLM >= 0.33
     core.check_for_draft_tokens = False  # no speculative decoding, no diffusion model here
     return core
 

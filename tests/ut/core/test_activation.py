@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 import vllm.plugins
-from balance_fixtures import helper_process_env
+from balance_fixtures import helper_process_env, needs_vllm_ascend
 from offline_vllm import make_vllm_config
 from vllm.config import KVTransferConfig, SchedulerConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -236,7 +236,9 @@ def test_pd_mixed_role_is_accepted(registered: None, tiny_model: Path) -> None:
 
 
 def _run(args: list[str], **env: str) -> str:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=helper_process_env(**env))
+    # Run from this directory: from the repository root, ``-c`` would find its ``vllm_ascend`` sources (a namespace
+    # package where no vllm-ascend is installed).
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=helper_process_env(**env), cwd=HERE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -247,6 +249,7 @@ def _probe(order: str, switch: str, tiny_model: Path) -> dict[str, Any]:
     return report
 
 
+@needs_vllm_ascend
 @pytest.mark.parametrize("switch", ["env", "config"])
 @pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
 def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Path, order: str, switch: str) -> None:
@@ -260,6 +263,7 @@ def test_ours_wins_over_vllm_ascends_copy_in_either_import_order(tiny_model: Pat
     assert report["copy_module_is_ours"] is (order == "ours-first" and switch == "env")
 
 
+@needs_vllm_ascend
 @pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
 def test_with_both_switches_off_vllm_ascends_module_is_left_in_effect(tiny_model: Path, order: str) -> None:
     """vllm-ascend 0.23 imports its module unconditionally (its off path and its kv_producer
@@ -277,6 +281,7 @@ def _record_hash(path: Path) -> str:
     return "sha256=" + urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
+@needs_vllm_ascend
 def test_installed_vllm_ascend_files_are_untouched() -> None:
     ascend = metadata.distribution("vllm-ascend")
     ours = {str(f) for f in metadata.distribution(DIST_NAME).files or []}
@@ -311,8 +316,12 @@ def test_without_this_distribution_vllm_is_stock(tmp_path: Path, tiny_model: Pat
     _site_without(site, excluded, tmp_path / "site")
     script = f"""
 import importlib.util, sys
-assert importlib.util.find_spec("vllm_ascend_balance") is None
-assert importlib.util.find_spec("vllm_ascend.core.balance_scheduler") is None
+def absent(name):
+    try:
+        return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:  # its package is gone too (no vllm-ascend on this line)
+        return True
+assert absent("vllm_ascend_balance") and absent("vllm_ascend.core.balance_scheduler")
 import vllm.plugins
 vllm.plugins.load_general_plugins()
 from pathlib import Path
@@ -335,6 +344,7 @@ for flag in (False, True):
 VLLM_RUN_ENGINE_CORE = EngineCoreProc.__dict__["run_engine_core"].__func__
 
 
+@needs_vllm_ascend
 @pytest.mark.parametrize("switch", ["on", "off"])
 def test_vllm_ascend_copy_installed_first_is_repaired_only_when_on(
     balance_env_unset: None,

@@ -26,12 +26,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from balance_fixtures import helper_process_env
+from balance_fixtures import helper_process_env, needs_vllm_ascend
 
 PROBE = Path(__file__).parents[1] / "core" / "import_order_probe.py"
 REPAIR_LOG = "replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own"
 
 
+@needs_vllm_ascend
 @pytest.mark.parametrize("switch", ["env", "config"])
 def test_engine_hook_wins_in_both_import_orders(tiny_model: Path, switch: str) -> None:
     # Both probes start before either is awaited: their vLLM imports overlap.

@@ -94,6 +94,23 @@ def test_install_is_idempotent_and_records_vllms_function(engine_hook: Any) -> N
     assert engine_core_module.DPEngineCoreProc.__module__ == "vllm.v1.engine.core"  # swapped only in the child
 
 
+def test_the_route_reads_the_decision_without_logging_it(
+    balance_env_unset: None, tiny_moe_model: Path, mocker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM >= 0.33 configures an engine process's logging inside its own run_engine_core: a decision logged by
+    the route, before it, would be lost, and info_once would then drop it when the scheduler is resolved."""
+    wiring.register()
+    config = make_vllm_config(tiny_moe_model, dp_size=2, additional_config=CONFIG_ON)
+    assert route_installed()
+    chosen = []
+    monkeypatch.setattr(wiring, "_vllm_run_engine_core", lambda **_: chosen.append(engine_core_module.DPEngineCoreProc))
+    monkeypatch.setattr(engine_core_module, "DPEngineCoreProc", engine_core_module.DPEngineCoreProc)
+    logged = [mocker.spy(wiring.logger, name) for name in ("info", "info_once", "warning", "warning_once")]
+    wiring.run_engine_core(vllm_config=config)
+    assert [cls.__name__ for cls in chosen] == ["BalanceDPEngineCoreProc"]
+    assert [spy.call_args_list for spy in logged] == [[], [], [], []]
+
+
 def test_a_foreign_run_engine_core_is_refused(balance_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
     def run_engine_core(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("never called")
@@ -187,8 +204,8 @@ def test_spawned_engine_cores_follow_the_config_switch_alone(
     silent = make_vllm_config(tiny_moe_model, dp_size=2)
     assert route_installed()
     logs = _launch_all({"on": switched_on, "silent": silent}, tmp_path)
+    # No env flag: only the decision recorded on the config can have chosen the hook class.
     assert HOOK_LOG in logs["on"], logs["on"]
-    assert "set by additional_config['enable_balance_scheduling']=True" in logs["on"]
     assert "vllm_ascend/core/balance_engine_core.py" in logs["on"]
     assert HOOK_LOG not in logs["silent"], logs["silent"]
     assert "vllm_ascend/core/balance_engine_core.py" not in logs["silent"]

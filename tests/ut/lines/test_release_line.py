@@ -1,7 +1,8 @@
 """Facts about the installed release line that this project's one source relies on.
 
 The same source runs on vLLM 0.18.0 + vllm-ascend 0.18.0, on vLLM 0.23.0 + vllm-ascend 0.23.0 and on
-vLLM 0.27.1 + vllm-ascend main at commit 182b75ea84ff (built from source, version ``0.0.0+main.182b75ea84ff``).
+vLLM 0.27.1 + vllm-ascend main at commit 182b75ea84ff (built from source, version ``0.0.0+main.182b75ea84ff``), and
+on vLLM 0.33.0 without vllm-ascend (no release supports it yet).
 Product code uses capability checks, not version strings; these tests pin what each line looks
 like so that a new release, or a venv built with a mismatched pair, fails here first and loudly.
 vllm-ascend's copying module is read as text (AST), never imported: importing it rebinds vLLM's
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from balance_fixtures import needs_vllm_ascend, vllm_ascend_installed
 from offline_vllm import BLOCK_SIZE, build_scheduler, kv_cache_config_for, make_vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
@@ -25,12 +27,17 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
-# vLLM version -> the vllm-ascend it pairs with on that line.
-SUPPORTED_LINES = {"0.18.0": "0.18.0", "0.23.0": "0.23.0", "0.27.1": "0.0.0+main.182b75ea84ff"}
+# vLLM version -> the vllm-ascend it pairs with on that line (None: the line runs without vllm-ascend).
+SUPPORTED_LINES = {"0.18.0": "0.18.0", "0.23.0": "0.23.0", "0.27.1": "0.0.0+main.182b75ea84ff", "0.33.0": None}
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
 COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional", "0.27.1": "unconditional"}
 # The arguments of vLLM's Scheduler.schedule() on each line (0.24 added the DP prefill throttle).
-SCHEDULE_PARAMETERS = {"0.18.0": ["self"], "0.23.0": ["self"], "0.27.1": ["self", "throttle_prefills"]}
+SCHEDULE_PARAMETERS = {
+    "0.18.0": ["self"],
+    "0.23.0": ["self"],
+    "0.27.1": ["self", "throttle_prefills"],
+    "0.33.0": ["self", "throttle_prefills"],
+}
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
@@ -45,12 +52,14 @@ def vllm_ascend_file(relative: str) -> Path:
 
 
 def test_installed_pair_is_a_supported_line() -> None:
-    vllm_version, ascend_version = metadata.version("vllm"), metadata.version("vllm-ascend")
+    vllm_version = metadata.version("vllm")
     assert vllm_version in SUPPORTED_LINES, f"vllm {vllm_version} is not a maintained line"
     expected = SUPPORTED_LINES[vllm_version]
+    ascend_version = metadata.version("vllm-ascend") if vllm_ascend_installed() else None
     assert ascend_version == expected, f"vllm-ascend {ascend_version} does not pair with vllm {vllm_version}"
 
 
+@needs_vllm_ascend
 def test_vllm_ascend_copy_lives_where_the_wiring_expects_it() -> None:
     path = vllm_ascend_file(VLLM_ASCEND_COPYING_MODULE.removeprefix("vllm_ascend.").replace(".", "/") + ".py")
     tree = ast.parse(path.read_text())
@@ -99,6 +108,7 @@ def test_copy_import_style_parser_tells_the_styles_apart() -> None:
     assert _copy_import_style("import os\n") == "not imported"
 
 
+@needs_vllm_ascend
 def test_how_vllm_ascend_imports_its_copy_on_this_line() -> None:
     # 0.18 imports its copy only under VLLM_ASCEND_BALANCE_SCHEDULING=1; 0.23 always (through
     # every vllm-ascend general plugin and the platform's pre_register_and_update), so on 0.23

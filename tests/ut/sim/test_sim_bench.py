@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import bench_overhead
 import pytest
 import vllm.v1.core.sched.scheduler as vllm_scheduler_module
+from balance_fixtures import needs_vllm_ascend
 from vllm.v1.engine.core import EngineCoreProc
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None, reason="the vllm-ascend wheel is not installed")
+@needs_vllm_ascend
 def test_released_copy_loads_without_rebinding_vllm() -> None:
     scheduler_before = vllm_scheduler_module.Scheduler
     run_before = EngineCoreProc.__dict__["run_engine_core"]

@@ -139,14 +139,14 @@ def _names_balanced_class(named: str | type | None) -> bool:
     return isinstance(named, type) and issubclass(named, BalanceSchedulingMixin)
 
 
-def recorded_decision(scheduler_config: SchedulerConfig) -> bool:
+def recorded_decision(scheduler_config: SchedulerConfig, log: bool = True) -> bool:
     """The decision ``decide`` recorded (logged once per process); for a ``SchedulerConfig`` that never went
     through a ``VllmConfig`` there is no config switch, so the environment variable alone."""
     record = getattr(scheduler_config, _DECISION_ATTR, None)
     if record is None:
         return balance_scheduling_flag()
     enabled, source = record
-    if source is not None:
+    if log and source is not None:
         log = logger.warning_once if "is ignored" in source else logger.info_once
         log("Balance scheduling %s: %s.", "on" if enabled else "off", source)
     return enabled
@@ -254,7 +254,9 @@ def run_engine_core(*args: Any, **kwargs: Any) -> Any:
     spawned child would import vLLM's original instead.
     """
     vllm_run = _vllm_run_engine_core or vllm_run_engine_core()
-    if recorded_decision(kwargs["vllm_config"].scheduler_config):
+    # Not logged here: vLLM >= 0.33 configures an engine process's logging inside its run_engine_core, and a line
+    # logged before would be lost (info_once would then drop it for good); the scheduler's resolution logs it.
+    if recorded_decision(kwargs["vllm_config"].scheduler_config, log=False):
         from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
 
         engine_core_module.DPEngineCoreProc = BalanceDPEngineCoreProc
