@@ -10,6 +10,7 @@ vLLM itself offers, and see how the answer depends on each assumption (docs/simu
     scripts/simulate_dp.py --preset rfc-dsv31 --compare --json out.json --plot out.png
     scripts/simulate_dp.py --preset rfc-dsv31 --compare-policies --json p.json --plot p.png
     scripts/simulate_dp.py --preset rfc-dsv31 --sweep acceptance_rate_spread=0,0.1,0.2
+    scripts/simulate_dp.py --preset rfc-dsv31 --compare-gates --remote-kv-fraction 0.25
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dpsim.costmodel import CostProfile, ProfileError, load_profile  # noqa: E40
 from dpsim.params import ParamError, apply, parse_assignment, parse_sweep  # noqa: E402
 from dpsim.router import ROUTERS  # noqa: E402
 from dpsim.settings import (  # noqa: E402
+    GATE_ARMS,
     GATES,
     OFF_ON,
     POLICIES,
@@ -52,8 +54,12 @@ TABLE_ROWS = (
     ("TTFT mean (ms)", "ttft_mean_ms", "{:.0f}"),
     ("  first wave (ms)", "ttft_first_wave_ms", "{:.0f}"),
     ("  later (ms)", "ttft_later_ms", "{:.0f}"),
+    ("  remote KV (ms)", "ttft_remote_kv_ms", "{:.0f}"),
+    ("  local prefill (ms)", "ttft_local_ms", "{:.0f}"),
     ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
     ("TPOT mean (ms)", "tpot_mean_ms", "{:.2f}"),
+    ("  remote KV (ms)", "tpot_remote_kv_ms", "{:.2f}"),
+    ("  local prefill (ms)", "tpot_local_ms", "{:.2f}"),
     ("TPOT p99 (ms)", "tpot_p99_ms", "{:.2f}"),
     ("ITL p50 (ms)", "itl_p50_ms", "{:.1f}"),
     ("ITL mean (ms)", "itl_mean_ms", "{:.1f}"),
@@ -64,12 +70,13 @@ TABLE_ROWS = (
     ("admission steps", "admission_steps", "{:d}"),
     ("stalled decode steps", "stalled_decode_steps", "{:d}"),
     ("gated rank-steps", "gated_rank_steps", "{:d}"),
+    ("admitted while gated", "gated_admissions", "{:d}"),
     ("deferred rank-steps", "deferred_rank_steps", "{:d}"),
     ("mean running / rank", "mean_running_per_rank", "{:.1f}"),
     ("simulation wall (s)", "sim_wall_s", "{:.1f}"),
     ("simulation CPU (s)", "sim_cpu_s", "{:.1f}"),
 )
-NO_CHANGE = {"finished", "sim_wall_s", "sim_cpu_s", "gated_rank_steps", "deferred_rank_steps"}
+NO_CHANGE = {"finished", "sim_wall_s", "sim_cpu_s", "gated_rank_steps", "deferred_rank_steps", "gated_admissions"}
 # Headline figures of a sweep line.
 SWEEP_KEYS = (("tok/s", "output_tok_s"), ("TPOT", "tpot_mean_ms"), ("TTFT", "ttft_mean_ms"))
 
@@ -103,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PARAM=v1,v2,...",
         help="balance off and on for each value of one profile or settings "
         "parameter (e.g. acceptance_rate_spread=0,0.1,0.2)",
+    )
+    mode.add_argument(
+        "--compare-gates",
+        action="store_true",
+        help="run " + ", ".join(a.label for a in GATE_ARMS) + " (whether requests holding KV, e.g. loaded "
+        "remote KV, may enter under the gate; with --remote-kv-fraction)",
     )
     parser.add_argument(
         "--recalibrate",
@@ -139,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gate",
         choices=GATES,
-        help="gate rule when balance is on: 'cap' (some rank at max_num_seqs) or 'cap-1' (within one of it)",
+        help="gate rule when balance is on: 'cap' (some rank at max_num_seqs), 'cap-1' (within one of it) or "
+        "'admit-kv-holding' (cap, but requests holding KV still enter under it, vLLM >= 0.32's PAUSED_NEW)",
     )
     group = parser.add_argument_group("deployment (overrides the preset)")
     group.add_argument("--dp-size", type=_positive_int)
@@ -169,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="'lb' = vLLM's DP load balancer (4*waiting+running), 'round-robin' ignores load",
     )
     group.add_argument("--seed", type=int)
+    group.add_argument(
+        "--remote-kv-fraction",
+        type=float,
+        help="share of requests arriving with their prompt's KV remote (P/D decode side; fake async connector)",
+    )
+    group.add_argument("--remote-kv-delay-steps", type=_positive_int, help="model steps a remote KV load takes")
     parser.add_argument("--json", type=Path, help="write {arm: {...}} (sweep: a list) here")
     parser.add_argument("--plot", type=Path, help="write the comparison figure (PNG) here")
     parser.add_argument(
@@ -206,6 +226,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
         profile=args.profile,
         gate=args.gate,
         seed=args.seed,
+        remote_kv_fraction=args.remote_kv_fraction,
+        remote_kv_delay_steps=args.remote_kv_delay_steps,
     )
     if args.no_concurrency_limit:
         if args.concurrency is not None:
@@ -320,6 +342,8 @@ def format_table(summaries: dict[str, dict[str, Any]], arms: list[Arm], preset: 
     rows = [header]
     base = summaries[arms[0].name]
     for label, key, fmt in TABLE_ROWS:
+        if all(key not in summaries[a.name] for a in arms):
+            continue  # a figure of a mechanism these runs do not have (remote KV)
         row = [label]
         for index, arm in enumerate(arms):
             value = summaries[arm.name].get(key)
@@ -399,6 +423,13 @@ def describe(settings: SimSettings, profile: CostProfile) -> str:
         f"{profile.step_noise_cv:g}, {mtp}, async scheduling "
         f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
         f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}"
+        + (
+            f"; remote KV {settings.remote_kv_fraction:.0%} of requests, loads take "
+            f"{settings.remote_kv_delay_steps} steps, their one-token step priced as "
+            f"{'prefill' if settings.remote_kv_step_prefill else 'decode'}"
+            if settings.remote_kv_fraction
+            else ""
+        )
     )
 
 
@@ -465,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         status = calibrate_profile(args, preset, settings, profile, parser)
         print(f"wall time {time.perf_counter() - started:.1f} s", flush=True)
         return status
-    if args.interval > 1 and (args.compare or args.compare_policies or args.sweep):
+    if args.interval > 1 and (args.compare or args.compare_policies or args.compare_gates or args.sweep):
         parser.error("--interval is for a single run (the comparisons choose their own)")
     if args.recalibrate and not args.sweep:
         parser.error("--recalibrate goes with --sweep")
@@ -497,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.compare_policies:
             arms = list(POLICIES)
+        elif args.compare_gates:
+            arms = list(GATE_ARMS)
         elif args.compare:
             arms = list(OFF_ON)
         else:

@@ -12,7 +12,9 @@ output: nothing for a request mid-prefill, otherwise one sampled token plus the 
 acceptance model accepts. With async scheduling the next step is scheduled before this one's
 output arrives, exactly as vLLM's batch queue does; the fake output is therefore decided from
 what was scheduled, not from the request's state at update time. After every engine-loop
-iteration ``emulate_gather`` leaves what ``balance_gather``'s all-gather leaves.
+iteration ``emulate_gather`` leaves what ``balance_gather``'s all-gather leaves. With remote-KV
+requests in the workload (``dpsim.remote_kv``) every rank has the fake KV connector and each model
+output reports the loads that finished.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request
 
 from dpsim.cadence import PrefillCadence, deferred_prefills
+from dpsim.remote_kv import REMOTE_PREFILL, RemoteKVLoads, is_remote_kv, kv_transfer_config
 from dpsim.settings import GATES
 from dpsim.workload import RequestShape
 from vllm_ascend.core.balance_scheduler import BalanceAsyncScheduler, BalanceScheduler
@@ -51,8 +54,9 @@ def prepare_model_dir(directory: Path, max_model_len: int) -> Path:
     return directory
 
 
-def sim_request(request_id: str, shape: RequestShape, arrival_time: float) -> Request:
-    """A request that decodes exactly ``shape.output_tokens`` tokens.
+def sim_request(request_id: str, shape: RequestShape, arrival_time: float, remote_kv: bool = False) -> Request:
+    """A request that decodes exactly ``shape.output_tokens`` tokens (``remote_kv``: its prompt's
+    KV is loaded from a remote prefill, all but the last token).
 
     No block hasher: vLLM's EngineCore passes none unless prefix caching or a KV connector is on,
     and hashing every 16 tokens would cost more than the rest of the simulated step.
@@ -60,7 +64,7 @@ def sim_request(request_id: str, shape: RequestShape, arrival_time: float) -> Re
     params = SamplingParams(ignore_eos=True, max_tokens=shape.output_tokens)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     prompt = [3 + (i % 100) for i in range(shape.prompt_tokens)]
-    return Request(
+    request = Request(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling_params=params,
@@ -68,6 +72,9 @@ def sim_request(request_id: str, shape: RequestShape, arrival_time: float) -> Re
         arrival_time=arrival_time,
         block_hasher=None,
     )
+    if remote_kv:
+        request.kv_transfer_params = dict(REMOTE_PREFILL)
+    return request
 
 
 class _CapMinusOneGate:
@@ -90,6 +97,27 @@ class CapMinusOneAsyncScheduler(_CapMinusOneGate, BalanceAsyncScheduler):
     """``BalanceAsyncScheduler`` with the ``cap-1`` gate (simulator only)."""
 
 
+class _AdmitKVHoldingGate:
+    """The gate without holding the admission cap at 0: a gated step is vLLM's own ``PAUSED_NEW``,
+    which on vLLM >= 0.32 still admits requests that hold KV blocks (loaded remote KV, streaming
+    continuations) up to the cap. Kept to measure whether the product should allow that; on
+    lines where ``PAUSED_NEW`` admits nothing it is the product's gate."""
+
+    _balance_cap: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._balance_cap = self._balance_cap._replace(held_at_zero=False)
+
+
+class AdmitKVHoldingScheduler(_AdmitKVHoldingGate, BalanceScheduler):
+    """``BalanceScheduler`` with the ``admit-kv-holding`` gate (simulator only)."""
+
+
+class AdmitKVHoldingAsyncScheduler(_AdmitKVHoldingGate, BalanceAsyncScheduler):
+    """``BalanceAsyncScheduler`` with the ``admit-kv-holding`` gate (simulator only)."""
+
+
 def scheduler_class(balance: bool, async_scheduling: bool, gate: str = "cap") -> type:
     """The scheduler class of every rank: the one place a policy becomes a class."""
     if gate not in GATES:
@@ -98,6 +126,8 @@ def scheduler_class(balance: bool, async_scheduling: bool, gate: str = "cap") ->
         return AsyncScheduler if async_scheduling else Scheduler
     if gate == "cap-1":
         return CapMinusOneAsyncScheduler if async_scheduling else CapMinusOneScheduler
+    if gate == "admit-kv-holding":
+        return AdmitKVHoldingAsyncScheduler if async_scheduling else AdmitKVHoldingScheduler
     return BalanceAsyncScheduler if async_scheduling else BalanceScheduler
 
 
@@ -145,7 +175,14 @@ class LockstepCluster:
         async_scheduling: bool = False,
         num_speculative_tokens: int = 0,
         prefill_schedule_interval: int = 1,
+        remote_kv_delay_steps: int | None = None,
+        remote_kv_step_prefill: bool = False,
+        kv_holding_requests: int = 0,
     ) -> None:
+        """``remote_kv_delay_steps``: configure the fake KV connector, loads taking that many steps
+        (None: no connector); ``kv_holding_requests``: how many requests may hold KV blocks without
+        running (loads in flight), for the KV cache size; ``remote_kv_step_prefill``: price a
+        loaded request's one-token step as prefill."""
         # Enough KV blocks that no rank ever preempts: the effect studied is admission timing.
         blocks_per_request = -(-max_model_len // KV_BLOCK_SIZE) + 1
         # MTP itself needs the DeepSeek draft head; "ngram_gpu" is the drafter-free method vLLM
@@ -163,8 +200,9 @@ class LockstepCluster:
             max_model_len=max_model_len,
             dp_size=dp_size,
             async_scheduling=async_scheduling,
-            num_blocks=max_num_seqs * blocks_per_request + 1,
+            num_blocks=(max_num_seqs + kv_holding_requests) * blocks_per_request + 1,
             speculative_config=speculative,
+            **({"kv_transfer_config": kv_transfer_config()} if remote_kv_delay_steps else {}),
         )
         self.scheduler_cls = scheduler_class(balance, async_scheduling, gate)
         self.schedulers: list[Any] = build_schedulers(self.scheduler_cls, config, dp_size)
@@ -176,6 +214,9 @@ class LockstepCluster:
             if prefill_schedule_interval > 1
             else None
         )
+        self.loads = RemoteKVLoads(dp_size, remote_kv_delay_steps) if remote_kv_delay_steps else None
+        self.remote_kv_step_prefill = remote_kv_step_prefill
+        self.gated_admissions = 0  # requests that entered running in a gated rank-step
 
     def counts(self) -> list[tuple[int, int]]:
         """(waiting, running) of every rank, as the DP coordinator publishes them."""
@@ -219,18 +260,22 @@ class LockstepCluster:
                     output = scheduler.schedule()
             else:
                 output = scheduler.schedule()
+            gated = self.balance and scheduler.balance_gated_steps > gated_before
             if cadence is not None:
-                gated = self.balance and scheduler.balance_gated_steps > gated_before
                 cadence.after_step(scheduler, deferred, admission_block_ran=not gated and not output.preempted_req_ids)
             batch.outputs.append(output)
-            sampling, work = self._classify(scheduler, output)
+            sampling, work = self._classify(scheduler, output, self.remote_kv_step_prefill)
             work.deferred = deferred
+            if gated:
+                self.gated_admissions += work.admitted
             batch.sampling.append(sampling)
             batch.work.append(work)
         return batch
 
     @staticmethod
-    def _classify(scheduler: Any, output: Any) -> tuple[list[tuple[str, int]], RankWork]:
+    def _classify(
+        scheduler: Any, output: Any, remote_kv_step_prefill: bool = False
+    ) -> tuple[list[tuple[str, int]], RankWork]:
         requests = scheduler.requests
         spec = output.scheduled_spec_decode_tokens
         prefill = decode = 0
@@ -240,7 +285,12 @@ class LockstepCluster:
             # schedule() already advanced num_computed_tokens by this step's tokens.
             before = request.num_computed_tokens - tokens
             prompt_part = min(tokens, request.num_prompt_tokens - before)
-            if prompt_part > 0:
+            # A loaded remote-KV request's single prompt token: vllm-ascend's model runner keeps
+            # such a batch in its decode graph (SpecDecoding: one valid token per request).
+            loaded_kv_step = prompt_part == 1 and before == request.num_prompt_tokens - 1 and is_remote_kv(request)
+            if loaded_kv_step and not remote_kv_step_prefill:
+                decode += 1
+            elif prompt_part > 0:
                 prefill += prompt_part
             else:
                 decode += 1
@@ -256,13 +306,14 @@ class LockstepCluster:
         """
         produced: list[tuple[str, int]] = []
         finished: list[str] = []
-        for scheduler, output, sampling in zip(self.schedulers, batch.outputs, batch.sampling):
+        for rank, (scheduler, output, sampling) in enumerate(zip(self.schedulers, batch.outputs, batch.sampling)):
             if output is None:
                 continue
             drafts = dict(sampling)
             req_ids = list(output.num_scheduled_tokens)
             sampled = [[TOKEN_ID] * (1 + accepted(r, drafts[r])) if r in drafts else [] for r in req_ids]
-            model_output = runner_output(req_ids, sampled)
+            kv = {"kv_connector_output": self.loads.output(rank, scheduler.connector)} if self.loads else {}
+            model_output = runner_output(req_ids, sampled, **kv)
             engine_outputs = scheduler.update_from_output(output, model_output)
             for client_outputs in engine_outputs.values():
                 for out in client_outputs.outputs:

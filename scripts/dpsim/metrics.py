@@ -7,11 +7,13 @@ yields several tokens is one gap), output throughput as all output tokens over t
 duration (first send to last response). TTFT is also split: the *first wave* (requests sent
 before any response finished, i.e. into an empty server) and the later ones. The step counters
 explain the figures: how many steps admitted new requests, and how many steps made decoding
-requests wait for some rank's prefill.
+requests wait for some rank's prefill. With remote-KV requests in the workload, TTFT is also split
+between them (from their arrival at this, the decode side) and the requests prefilled locally.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +49,10 @@ class RunResult:
 
 
 class RunRecorder:
-    def __init__(self, num_requests: int) -> None:
+    def __init__(self, num_requests: int, remote_kv: Collection[int] = ()) -> None:
         nan = float("nan")
+        self.remote_kv = np.zeros(num_requests, dtype=bool)
+        self.remote_kv[list(remote_kv)] = True
         self.sent_at = [nan] * num_requests
         self.first_at = [nan] * num_requests
         self.last_at = [nan] * num_requests
@@ -124,6 +128,17 @@ class RunRecorder:
             "ttft_first_wave_ms": stat(ttft_all[first_wave], "mean"),
             "ttft_later_ms": stat(ttft_all[ok & ~first_wave], "mean"),
             "first_wave_requests": int(first_wave.sum()),
+            **(
+                {
+                    "remote_kv_requests": int(self.remote_kv.sum()),
+                    "ttft_remote_kv_ms": stat(ttft_all[ok & self.remote_kv], "mean"),
+                    "ttft_local_ms": stat(ttft_all[ok & ~self.remote_kv], "mean"),
+                    "tpot_remote_kv_ms": stat(tpot[self.remote_kv[many]], "mean"),
+                    "tpot_local_ms": stat(tpot[~self.remote_kv[many]], "mean"),
+                }
+                if self.remote_kv.any()
+                else {}
+            ),
             "itl_p50_ms": stat(itl, "p50"),
             "itl_mean_ms": stat(itl, "mean"),
             "e2e_s": duration,

@@ -16,7 +16,9 @@ from dpsim.router import ROUTERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES_DIR = REPO_ROOT / "profiles"
-GATES = ("cap", "cap-1")
+# "admit-kv-holding": the product's gate without holding the cap at 0, i.e. vLLM's own PAUSED_NEW on
+# vLLM >= 0.32 (requests holding KV are admitted under the gate, up to the cap). Simulator only.
+GATES = ("cap", "cap-1", "admit-kv-holding")
 # Room for the draft tokens the scheduler may place past the last output token.
 MODEL_LEN_MARGIN = 32
 
@@ -38,6 +40,12 @@ class SimSettings:
     profile: Path = PROFILES_DIR / "rfc-dsv31.json"
     gate: str = "cap"
     seed: int = 0
+    # Share of requests arriving with remote KV (P/D decode side); 0: no KV connector at all.
+    remote_kv_fraction: float = 0.0
+    remote_kv_delay_steps: int = 3  # model steps of the rank until a remote KV load finishes
+    # Price a loaded remote-KV request's one-token step as prefill (a graph-less step, as vLLM's
+    # FULL_DECODE_ONLY graphs with MTP would) instead of decode (vllm-ascend's SpecDecoding state).
+    remote_kv_step_prefill: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -55,10 +63,12 @@ class Arm:
     name: str
     balance: bool
     interval: int = 1  # vLLM's --prefill-schedule-interval (1: off)
+    gate: str | None = None  # the gate rule of this arm (None: the settings')
 
     @property
     def label(self) -> str:
-        parts = ["balance on" if self.balance else ""] + ([f"interval {self.interval}"] if self.interval > 1 else [])
+        on = ("balance on" + (f" ({self.gate})" if self.gate else "")) if self.balance else ""
+        parts = [on] + ([f"interval {self.interval}"] if self.interval > 1 else [])
         return " + ".join(p for p in parts if p) or "balance off"
 
 
@@ -70,6 +80,8 @@ POLICIES = (
     Arm("interval-4", False, 4),
     Arm("on+interval-2", True, 2),
 )
+# Whether requests that already hold KV may enter under the gate (vLLM >= 0.32's PAUSED_NEW does).
+GATE_ARMS = (Arm("off", False), Arm("on", True, gate="cap"), Arm("on-admit-kv-holding", True, gate="admit-kv-holding"))
 
 
 @dataclass(frozen=True)
@@ -187,4 +199,8 @@ def problems(settings: SimSettings) -> list[str]:
         found.append(f"unknown router {settings.router!r}; choose one of {', '.join(ROUTERS)}")
     if settings.gate not in GATES:
         found.append(f"unknown gate rule {settings.gate!r}; choose one of {', '.join(GATES)}")
+    if not 0.0 <= settings.remote_kv_fraction <= 1.0:
+        found.append(f"remote KV fraction must be in [0, 1], got {settings.remote_kv_fraction}")
+    if settings.remote_kv_delay_steps < 1:
+        found.append(f"remote KV delay must be >= 1 step, got {settings.remote_kv_delay_steps}")
     return found

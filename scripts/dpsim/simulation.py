@@ -24,6 +24,7 @@ from dpsim.cadence import WAVE_CHECK_STEPS
 from dpsim.cluster import Batch, LockstepCluster, prepare_model_dir, sim_request
 from dpsim.costmodel import CostProfile
 from dpsim.metrics import RunRecorder, RunResult
+from dpsim.remote_kv import remote_kv_requests
 from dpsim.router import make_router
 from dpsim.settings import Arm, SimSettings
 from dpsim.speculative import AcceptanceModel
@@ -50,6 +51,7 @@ def run(
     started, cpu_started = time.perf_counter(), time.process_time()
     if model_dir is None:
         model_dir = prepare_model_dir(Path(tempfile.mkdtemp(prefix="dpsim-model-")), settings.max_model_len)
+    remote = remote_kv_requests(settings.num_requests, settings.remote_kv_fraction, random.Random(settings.seed + 4))
     cluster = LockstepCluster(
         model_dir,
         dp_size=settings.dp_size,
@@ -57,10 +59,13 @@ def run(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
         balance=arm.balance,
-        gate=settings.gate,
+        gate=arm.gate or settings.gate,
         async_scheduling=profile.async_scheduling,
         num_speculative_tokens=profile.num_speculative_tokens,
         prefill_schedule_interval=arm.interval,
+        remote_kv_delay_steps=settings.remote_kv_delay_steps if remote else None,
+        remote_kv_step_prefill=settings.remote_kv_step_prefill,
+        kv_holding_requests=(settings.concurrency or settings.num_requests) if remote else 0,
     )
     # Same seeds in every arm: identical lengths, client jitter, acceptance and noise draws.
     shapes = sample_shapes(
@@ -83,7 +88,7 @@ def run(
     )
     noise = random.Random(settings.seed + 3)
     router = make_router(settings.router, settings.dp_size, cluster.counts, profile.coordinator_publish_ms / 1000.0)
-    recorder = RunRecorder(settings.num_requests)
+    recorder = RunRecorder(settings.num_requests, remote)
     max_iterations = (
         MAX_STEPS_PER_OUTPUT_TOKEN
         * settings.num_requests
@@ -106,7 +111,7 @@ def run(
         for sent_at, index in client.due(now):
             recorder.sent(index, sent_at)
             rank = router.route(sent_at)
-            cluster.schedulers[rank].add_request(sim_request(str(index), shapes[index], sent_at))
+            cluster.schedulers[rank].add_request(sim_request(str(index), shapes[index], sent_at, index in remote))
         iterations += 1
         if iterations > max_iterations:
             raise SimulationStuck(
@@ -158,6 +163,8 @@ def run(
         "deferred_rank_steps": cluster.deferred_steps(),
         "dummy_steps": dummy_steps,
     }
+    if remote:
+        counters["gated_admissions"] = cluster.gated_admissions
     result = recorder.result(settings.dp_size, counters, time.perf_counter() - started)
     result.summary["sim_cpu_s"] = time.process_time() - cpu_started
     return result
