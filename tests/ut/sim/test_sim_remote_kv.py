@@ -17,15 +17,14 @@ from dpsim.cluster import (
     scheduler_class,
     sim_request,
 )
-from dpsim.costmodel import profile_from_dict
 from dpsim.remote_kv import remote_kv_requests
-from dpsim.settings import GATE_ARMS, SimSettings
+from dpsim.settings import GATE_ARMS
 from dpsim.simulation import run
 from dpsim.workload import RequestShape
 from offline_vllm import emulate_gather
+from test_sim_run import PROFILE, TINY  # the simulator tests' one tiny setting
 from vllm.v1.request import RequestStatus
 
-PROFILE = profile_from_dict({"step_overhead_ms": 20, "decode_ms_per_request": 1, "prefill_ms_per_token": 0.05})
 SHAPE = RequestShape(prompt_tokens=40, output_tokens=4)
 NO_DRAFTS = lambda request_id, drafts: 0  # noqa: E731
 
@@ -88,17 +87,7 @@ def test_a_remote_kv_request_waits_for_its_load_then_runs_its_last_prompt_token(
 
 
 def test_a_run_with_remote_kv_splits_its_figures(tiny_model: Path) -> None:
-    settings = SimSettings(
-        dp_size=2,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        num_requests=16,
-        concurrency=8,
-        prompt_tokens=60,
-        output_tokens=24,
-        router="round-robin",
-        remote_kv_fraction=0.5,
-    )
+    settings = dataclasses.replace(TINY, remote_kv_fraction=0.5)
     for arm in GATE_ARMS:
         summary = run(settings, PROFILE, arm, model_dir=tiny_model).summary
         assert summary["finished"] == 16 and summary["remote_kv_requests"] == 8
