@@ -26,7 +26,7 @@ only that method, so the gather follows whatever the installed vLLM's loop does
 (``balance_seam`` checks the loop still has that shape).
 
 The gather runs after the step's ``update_from_output``, so ``balance_queue`` holds each rank's
-``len(running)`` at the end of the previous step when the next ``schedule()`` reads it.
+``balance_count()`` at the end of the previous step when the next ``schedule()`` reads it.
 
 Every rank of the DP group must run the gather, or the collectives pair up wrongly and every rank hangs. With
 several nodes (or external load balancing) each rank decides alone, so before the model loads each balanced rank
@@ -102,11 +102,17 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
 
 
 def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:
-    """What every rank of a DP group must share: the cap the gate compares with, and the code of the gate and the
+    """What every rank of a DP group must share: the caps the gate compares with (``max_num_seqs``, and vLLM >=
+    0.31's ``max_num_active_seqs``, which lowers the admission cap when set), and the code of the gate and the
     gather (two ranks of different package versions but the same code agree)."""
     paths = (balance_scheduler.__file__, balance_seam.__file__, __file__)
     sources = b"".join(Path(path).read_bytes() for path in paths)
-    return {"cap": vllm_config.scheduler_config.max_num_seqs, "code": hashlib.sha256(sources).hexdigest()[:12]}
+    scheduler = vllm_config.scheduler_config
+    return {
+        "cap": scheduler.max_num_seqs,
+        "active_cap": getattr(scheduler, "max_num_active_seqs", None),
+        "code": hashlib.sha256(sources).hexdigest()[:12],
+    }
 
 
 def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> None:
@@ -139,8 +145,8 @@ def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> Non
         )
     raise RuntimeError(
         f"Balance scheduling: DP rank {rank} has {mine}, but DP rank(s) differ: {differ} ('cap' is max_num_seqs, "
-        "'code' a digest of the balance scheduling code). Use the same --max-num-seqs and the same package on every "
-        "node."
+        "'active_cap' max_num_active_seqs, 'code' a digest of the balance scheduling code). Use the same "
+        "--max-num-seqs and --max-num-active-seqs, and the same package on every node."
     )
 
 

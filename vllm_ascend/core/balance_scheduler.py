@@ -17,15 +17,18 @@
 """Balance scheduling for data-parallel serving, as a mixin over the installed vLLM scheduler.
 
 Every DP rank of a MoE model steps in lockstep, so one rank's prefill stalls all of them. With
-balance scheduling each rank keeps ``balance_queue``: every rank's ``len(running)`` as gathered
+balance scheduling each rank keeps ``balance_queue``: every rank's ``balance_count()`` (what vLLM's
+admission cap compares: ``len(running)``, plus paused streaming sessions from vLLM 0.27) as gathered
 at the end of the previous step (``balance_gather``, called by the DP engine loop). While any rank
-is at its cap (``max_num_seqs``), no rank admits new waiting requests; running requests are
-scheduled as usual. Admissions therefore happen together and decode stays steady.
+is at its cap (``max_num_seqs``, or ``max_num_active_seqs`` where vLLM >= 0.31 sets it), no rank
+admits new waiting requests; running requests are scheduled as usual. Admissions therefore happen
+together and decode stays steady.
 
 Nothing of vLLM's ``schedule()`` is copied: the gate reaches the admission block through its
 existing guard, ``self._pause_state == PauseState.UNPAUSED``. A gated step runs the inherited
-``schedule()`` with the state transiently set to ``PAUSED_NEW`` (``balance_seam`` says why that is
-exactly "admit nothing new", and refuses classes where it is not). vLLM's engine changes the pause
+``schedule()`` with the state transiently set to ``PAUSED_NEW`` and, on vLLM >= 0.32 (which admits
+KV-holding requests under ``PAUSED_NEW``), its admission cap held at 0 (``balance_seam`` says why that
+is exactly "admit nothing new", and refuses classes where it is not). vLLM's engine changes the pause
 state only between steps, so code running inside a gated step sees ``PAUSED_NEW``; a pause set
 during the step other than ``PAUSED_NEW`` is kept when the step ends.
 
@@ -94,7 +97,7 @@ class BalanceSchedulingMixin:
     @property
     def balance_gate_threshold(self) -> int:
         """Count at which a rank closes the gate for every rank: vLLM's own admission cap (upstream's rule since
-        vllm-ascend PR #8674: the cap itself; ``max_num_seqs`` unless vLLM >= 0.32 sets ``max_num_active_seqs``)."""
+        vllm-ascend PR #8674: the cap itself; ``max_num_seqs`` unless vLLM >= 0.31 sets ``max_num_active_seqs``)."""
         return getattr(self, self._balance_cap.attribute)
 
     def balance_count(self) -> int:

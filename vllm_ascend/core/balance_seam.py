@@ -22,12 +22,18 @@ start-up on the classes that will actually run (an unsound class or vLLM release
 instead of silently not balancing) and in the guard tests, which also show each check failing on
 altered source.
 
-**Scheduler seam.** The gate sets ``self._pause_state = PauseState.PAUSED_NEW`` for one step, which
-means "admit nothing new" only while ``schedule()``:
+**Scheduler seam.** The gate sets ``self._pause_state = PauseState.PAUSED_NEW`` for one step and, where the
+admission cap can be held (below), sets that cap to 0 for the step. That means "admit nothing new" only while
+``schedule()``:
 
-1. nests every admission site (taking a request off a waiting queue, appending to
-   ``self.running``) in an ``if`` whose test requires ``self._pause_state == PauseState.UNPAUSED``;
-2. compares ``self._pause_state`` only with ``PAUSED_ALL`` or ``UNPAUSED``.
+1. has one admission cap, ``if <count> >= self.<cap>: break`` (``==`` up to vLLM 0.23), its count one of
+   ``CAP_COUNTS``; the cap can be held at 0 when every reader of the attribute in the module is such a ``>=`` test
+   (vLLM 0.33's ``max_num_active_reqs``; not 0.18-0.27's ``max_num_running_reqs``, which an assertion reads);
+2. puts every admission site (taking a request off a waiting queue, appending to ``self.running``) in an ``if``
+   whose test requires ``self._pause_state == PauseState.UNPAUSED`` (every line), or after a test of a held cap in
+   its loop (vLLM >= 0.32 drains KV-holding requests under ``PAUSED_NEW``); a nested helper counts where it is
+   called;
+3. compares ``self._pause_state`` only with ``UNPAUSED`` or ``PAUSED_ALL`` (``==``, or ``!=`` from 0.32).
 
 **Engine seam.** The gather extends ``DPEngineCoreProc._has_global_unfinished_reqs``, and the
 engine-core launch is routed so the engine process builds the balanced class. That holds while:

@@ -171,6 +171,21 @@ def test_different_max_num_seqs_are_refused_on_every_rank(
     assert all("--max-num-seqs" in outcome["error"] for outcome in outcomes)
 
 
+def test_different_max_num_active_seqs_are_refused_on_every_rank(
+    configs: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM >= 0.31 admits up to max_num_active_seqs when set: the gate's threshold, so it must agree too."""
+    group = configs(2)
+    if not hasattr(group[1].scheduler_config, "max_num_active_seqs"):
+        pytest.skip("this vLLM has no max_num_active_seqs (added in vLLM 0.31)")
+    group[1].scheduler_config.max_num_active_seqs = 2
+    monkeypatch.delenv(AGREEMENT_TIMEOUT_ENV, raising=False)
+    outcomes, _ = run_group(group, set(), tmp_path)
+    assert "DP rank(s) differ: {1: {'active_cap': 2}}" in outcomes[0]["error"]
+    assert "DP rank(s) differ: {0: {'active_cap': None}}" in outcomes[1]["error"]
+    assert all("--max-num-active-seqs" in outcome["error"] for outcome in outcomes)
+
+
 def test_different_balance_scheduling_code_is_refused(
     configs: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
