@@ -49,15 +49,10 @@ def _free_port() -> int:
 
 
 def _configs(model_dir: Path, dp: int) -> dict[str, Any]:
+    from fake_remote_kv import async_kv_transfer_config
     from offline_vllm import make_vllm_config
-    from vllm.config import KVTransferConfig
 
-    kv = KVTransferConfig(
-        kv_connector="FakeRemoteKVConnector",
-        kv_connector_module_path="fake_remote_kv",
-        kv_role="kv_both",
-        kv_connector_extra_config={"is_async": True},
-    )
+    kv = async_kv_transfer_config()
     common = {"max_num_seqs": CAP, "max_num_batched_tokens": 256, "dp_size": dp}
     return {
         "plain": make_vllm_config(model_dir, **common),

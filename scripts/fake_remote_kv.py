@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
@@ -78,6 +79,17 @@ class FakeRemoteKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         raise AssertionError("worker-side method called on the scheduler-side fake")
+
+
+def async_kv_transfer_config() -> KVTransferConfig:
+    """The config that selects this fake, asynchronous (a load takes steps), on a PD-mixed instance (the soak's and
+    the simulator's)."""
+    return KVTransferConfig(
+        kv_connector=FakeRemoteKVConnector.__name__,
+        kv_connector_module_path=__name__,
+        kv_role="kv_both",
+        kv_connector_extra_config={"is_async": True},
+    )
 
 
 def register() -> None:

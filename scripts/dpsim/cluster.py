@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fake_remote_kv import async_kv_transfer_config
 from offline_vllm import build_scheduler, emulate_gather, make_vllm_config, runner_output, write_tiny_model
 from vllm.config import SpeculativeConfig
 from vllm.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request
 
 from dpsim.cadence import PrefillCadence, deferred_prefills
-from dpsim.remote_kv import REMOTE_PREFILL, RemoteKVLoads, is_remote_kv, kv_transfer_config
+from dpsim.remote_kv import REMOTE_PREFILL, RemoteKVLoads, is_remote_kv
 from dpsim.settings import GATES
 from dpsim.workload import RequestShape
 from vllm_ascend.core.balance_scheduler import BalanceAsyncScheduler, BalanceScheduler
@@ -202,7 +203,7 @@ class LockstepCluster:
             async_scheduling=async_scheduling,
             num_blocks=(max_num_seqs + kv_holding_requests) * blocks_per_request + 1,
             speculative_config=speculative,
-            **({"kv_transfer_config": kv_transfer_config()} if remote_kv_delay_steps else {}),
+            **({"kv_transfer_config": async_kv_transfer_config()} if remote_kv_delay_steps else {}),
         )
         self.scheduler_cls = scheduler_class(balance, async_scheduling, gate)
         self.schedulers: list[Any] = build_schedulers(self.scheduler_cls, config, dp_size)

@@ -15,20 +15,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from vllm.config import KVTransferConfig
 from vllm.v1.outputs import KVConnectorOutput
 
 REMOTE_PREFILL = {"do_remote_prefill": True}
-
-
-def kv_transfer_config() -> KVTransferConfig:
-    """The fake connector, asynchronous (a load takes steps), as the soak configures it."""
-    return KVTransferConfig(
-        kv_connector="FakeRemoteKVConnector",
-        kv_connector_module_path="fake_remote_kv",
-        kv_role="kv_both",
-        kv_connector_extra_config={"is_async": True},
-    )
 
 
 def remote_kv_requests(count: int, fraction: float, rng: random.Random) -> frozenset[int]:

@@ -152,9 +152,10 @@ def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
     return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
 
-def _admission_cap(tree: ast.AST, module: ast.Module) -> AdmissionCap | str:
-    """The one admission cap of ``tree`` (a ``schedule``), or why there is none that the gate understands."""
-    parents, found = _parents(tree), set()
+def _admission_cap(tree: ast.AST, parents: dict[ast.AST, ast.AST], module: ast.Module) -> AdmissionCap | str:
+    """The one admission cap of ``tree`` (a ``schedule``; ``parents`` its parent links), or why there is none that
+    the gate understands."""
+    found = set()
     for node in ast.walk(tree):
         if (test := _cap_test(node)) is None:
             continue
@@ -164,9 +165,9 @@ def _admission_cap(tree: ast.AST, module: ast.Module) -> AdmissionCap | str:
             values = [s.value for s in body if isinstance(s, ast.Assign) and _is(s.targets[0], count.id)]
             count = values[-1] if values else count
         found.add((ast.unparse(count), attribute))
-    if len(found) != 1 or (count_text := next(iter(found))[0]) not in CAP_COUNTS:
+    if len(found) != 1 or next(iter(found))[0] not in CAP_COUNTS:
         return f"admission cap tests {sorted(found)} are not one known cap of {sorted(CAP_COUNTS)}"
-    attribute = next(iter(found))[1]
+    ((count_text, attribute),) = found
     module_parents = _parents(module)
     reads = [n for n in ast.walk(module) if _is(n, f"self.{attribute}") and isinstance(n.ctx, ast.Load)]
     tests = [_cap_test(module_parents.get(module_parents[n])) for n in reads]
@@ -177,7 +178,7 @@ def schedule_shape(schedule_source: str, module_source: str, where: str = "sched
     """The shape of one ``schedule`` (its source, and its module's, where the cap attribute's readers are)."""
     tree, module = ast.parse(textwrap.dedent(schedule_source)), ast.parse(module_source)
     parents, root = _parents(tree), tree.body[0]
-    cap = _admission_cap(tree, module)
+    cap = _admission_cap(tree, parents, module)
     held_cap = cap.attribute if isinstance(cap, AdmissionCap) and cap.held_at_zero else None
 
     def guarded(node: ast.AST) -> bool:
@@ -247,11 +248,6 @@ def schedule_seam(scheduler_cls: type, skip: tuple[type, ...] = ()) -> ScheduleS
                 ]
             )
     return ScheduleShape(0, False, [f"{scheduler_cls.__qualname__} has no schedule() implementation"])
-
-
-def schedule_seam_problems(scheduler_cls: type, skip: tuple[type, ...] = ()) -> list[str]:
-    """Problems that keep the gate from working on ``scheduler_cls`` (empty: sound)."""
-    return schedule_seam(scheduler_cls, skip).problems
 
 
 # ---- engine seam ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
-from vllm_ascend.core.balance_seam import CAP_COUNTS, inspect_schedule, schedule_seam_problems, schedule_shape
+from vllm_ascend.core.balance_seam import CAP_COUNTS, inspect_schedule, schedule_seam, schedule_shape
 
 # Methods of vLLM's Scheduler that read ``_pause_state`` directly. Code among them that runs
 # *inside* schedule() sees the gate's transient PAUSED_NEW; a new reader must be reviewed.
@@ -69,7 +69,7 @@ def test_pause_state_has_the_three_states_the_gate_uses() -> None:
 
 @pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
 def test_admission_only_under_the_unpaused_guard(scheduler_cls: type) -> None:
-    problems = schedule_seam_problems(scheduler_cls)
+    problems = schedule_seam(scheduler_cls).problems
     assert not problems, (
         "SEAM MOVED: vLLM's schedule() no longer keeps all waiting-request admission under "
         "`self._pause_state == PauseState.UNPAUSED`, so the balance gate (a transient "
@@ -103,7 +103,7 @@ def test_the_check_detects_an_unguarded_admission() -> None:
             self.running.append(request)
             return super().schedule()
 
-    problems = schedule_seam_problems(AdmitsWithoutGuard)
+    problems = schedule_seam(AdmitsWithoutGuard).problems
     assert len([p for p in problems if "outside the UNPAUSED guard" in p]) == 2, problems
 
 
@@ -114,7 +114,7 @@ def test_the_check_detects_paused_new_given_another_meaning() -> None:
                 self.running.clear()
             return super().schedule()
 
-    problems = schedule_seam_problems(SpecialCasesPausedNew)
+    problems = schedule_seam(SpecialCasesPausedNew).problems
     assert problems and "unexpected way" in problems[0]
 
 
@@ -123,7 +123,7 @@ def test_the_check_detects_admission_moved_out_of_schedule() -> None:
         def schedule(self):  # type: ignore[no-untyped-def]
             return self._schedule_everything()
 
-    problems = schedule_seam_problems(AdmitsInAHelper)
+    problems = schedule_seam(AdmitsInAHelper).problems
     assert problems and "does not call super().schedule()" in problems[0]
 
 

@@ -29,7 +29,7 @@ import pytest
 from offline_vllm import build_scheduler, emulate_gather, make_request, make_vllm_config, torch_npu_stubbed_for_import
 
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin, balance_scheduler_class
-from vllm_ascend.core.balance_seam import schedule_seam_problems
+from vllm_ascend.core.balance_seam import schedule_seam
 from vllm_ascend_balance.patch_balance_schedule import decide
 
 CAP = 4
@@ -122,7 +122,7 @@ def _on_this_line(qualname: str) -> None:
 def test_the_class_honours_the_seam(qualname: str) -> None:
     """So a refusal below is the configuration's, never the gate's."""
     _on_this_line(qualname)
-    assert schedule_seam_problems(_import(qualname), skip=(BalanceSchedulingMixin,)) == []
+    assert schedule_seam(_import(qualname), skip=(BalanceSchedulingMixin,)).problems == []
 
 
 @pytest.mark.parametrize("qualname", sorted(BALANCED))
