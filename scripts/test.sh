@@ -2,7 +2,7 @@
 # The README's test command: sets up (or reuses) the environment for one release line, reinstalls
 # this project from the working tree, then runs the unit tests.
 #
-#   scripts/test.sh [LINE] [pytest args...]     LINE = v0.18.0 (default), v0.23.0, main or v0.33.0
+#   scripts/test.sh [LINE] [pytest args...]     LINE = v0.18.0 (default), v0.23.0, main, v0.33.0 or v0.32.0-cpu
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 line="v0.18.0"

@@ -34,6 +34,10 @@ import psutil
 HERE = Path(__file__).resolve().parent
 PLUGIN_PATH = HERE / "fake_forward"
 PLUGINS = "ascend_balance_scheduling,balance_fake_forward,balance_gate_check"
+# vLLM's CPU build (the v0.32.0-cpu line) runs the real model: its own CPU platform, the gate check, and the test-only
+# fixes of real_forward/ instead of the fake forward.
+REAL_FORWARD_PATH = HERE / "real_forward"
+REAL_FORWARD_PLUGINS = "ascend_balance_scheduling,balance_gate_check,balance_real_forward"
 # vllm-ascend main's documented form, accepted on every line.
 BALANCE_ON = ["--additional-config", json.dumps({"scheduler_config": {"enable_balance_scheduling": True}})]
 
@@ -66,13 +70,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_env() -> dict[str, str]:
+def server_env(real_forward: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_ASCEND_BALANCE_SCHEDULING", None)  # the config switch alone decides
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_PATH), env.get("PYTHONPATH")) if p)
+    paths = (PLUGIN_PATH, REAL_FORWARD_PATH) if real_forward else (PLUGIN_PATH,)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*map(str, paths), env.get("PYTHONPATH")) if p)
     env.update(
         {
-            "VLLM_PLUGINS": PLUGINS,
+            "VLLM_PLUGINS": REAL_FORWARD_PLUGINS if real_forward else PLUGINS,
             "VLLM_LOGGING_LEVEL": "INFO",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -133,6 +138,8 @@ class Server:
     model: Path
     log_path: Path
     args: list[str]
+    real_forward: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
@@ -159,7 +166,11 @@ class Server:
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, env=server_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=server_env(self.real_forward) | self.extra_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self._started = started
 
@@ -216,12 +227,19 @@ class Wave:
     json_requests: int = 3
 
 
-def run_waves(server: Server, waves: list[Wave], idle_gap_s: float, min_running: int, workdir: Path) -> dict[str, Any]:
+def run_waves(
+    server: Server,
+    waves: list[Wave],
+    idle_gap_s: float,
+    min_running: int,
+    workdir: Path,
+    schema: dict[str, Any] = CITY_SCHEMA,
+) -> dict[str, Any]:
     """Runs ``drive_waves.py`` against ``server`` (bounded); returns what it recorded."""
     plan = {
         "base_url": server.base_url,
         "model": str(server.model),
-        "schema": CITY_SCHEMA,
+        "schema": schema,
         "waves": [asdict(w) for w in waves],
         "idle_gap_s": idle_gap_s,
         "min_running": min_running,
@@ -252,6 +270,21 @@ def run_waves(server: Server, waves: list[Wave], idle_gap_s: float, min_running:
         f"drive_waves.py exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-6000:]}"
     )
     return json.loads(out_path.read_text())
+
+
+def greedy_completions(server: Server, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt alone (one request in flight, so no batch can change it), temperature 0: the texts."""
+    texts = []
+    for prompt in prompts:
+        body = {"model": str(server.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        request = urllib.request.Request(
+            f"{server.base_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            texts.append(json.loads(response.read())["choices"][0]["text"])
+    return texts
 
 
 def json_request(server: Server, index: int, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:

