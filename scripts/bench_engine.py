@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -190,7 +190,8 @@ def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, 
             time.sleep(1.0)  # the last step's record is written when the next iteration starts or the loop syncs
             engine = counters(read_trace(trace_dir), since)
             run = {
-                "arm": arm, "regime": regime.name, "rep": rep, "wall_s": wall, "startup_s": server.startup_s,
+                "arm": arm, "regime": regime.name, "max_num_seqs": max_num_seqs, "rep": rep, "wall_s": wall,
+                "startup_s": server.startup_s,
                 "completed": result["completed"], "failed": result.get("failed", 0),
                 **{m: result[m] for m in METRICS}, "engine": engine,
             }  # fmt: skip
@@ -200,7 +201,12 @@ def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, 
                 f"gated {engine['gated_steps']}/{engine['steps']}  ({wall:.0f} s)",
                 flush=True,
             )
-            assert result["completed"] == regime.num_prompts, f"{arm} {regime.name}: not every request completed"
+            if result["completed"] != regime.num_prompts:
+                errors = sorted(set(map(str, result.get("errors") or [])))[:5]
+                raise SystemExit(
+                    f"bench_engine: {arm} {regime.name}: {result['completed']} of {regime.num_prompts} requests "
+                    f"completed; errors {errors}; server log {trace_dir / 'serve.log'}"
+                )
             runs.append(run)
     assert not server.leftovers, f"processes left after {arm}: {server.leftovers}"
     return runs
@@ -320,18 +326,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = real_moe_model()
     started, runs = time.monotonic(), []
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as work:
-        total = args.reps * len(servers) * len(arms)
-        for rep in range(args.reps):
-            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
-            for seqs in servers:
-                for arm in order:
-                    done = len({(r["arm"], r["rep"], REGIMES.get(r["regime"], regimes[0]).max_num_seqs) for r in runs})
-                    print(f"[{done + 1}/{total}] rep {rep} {arm} max_num_seqs={seqs} "
-                          f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
-                    mine = [r for r in regimes if r.max_num_seqs == seqs]
-                    runs += run_server(arm, seqs, mine, model, args.bind, rep, Path(work))
-                    (args.out / "runs.json").write_text(json.dumps(runs))
+    work = args.out / "servers"  # each server's log, client report and step trace, kept for a look afterwards
+    shutil.rmtree(work, ignore_errors=True)
+    total = args.reps * len(servers) * len(arms)
+    for rep in range(args.reps):
+        order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
+        for seqs in servers:
+            for arm in order:
+                done = len({(r["arm"], r["rep"], r["max_num_seqs"]) for r in runs})
+                print(f"[{done + 1}/{total}] rep {rep} {arm} max_num_seqs={seqs} "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+                mine = [r for r in regimes if r.max_num_seqs == seqs]
+                runs += run_server(arm, seqs, mine, model, args.bind, rep, work)
+                (args.out / "runs.json").write_text(json.dumps(runs))
     rows = summarise(runs, arms, regimes)
     print()
     print_table(rows)

@@ -82,6 +82,9 @@ def server_env(real_forward: bool = False) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            # vLLM's benchmark client keeps idle connections 60 s, the server only 5 s by default: a request sent on
+            # a connection the server is closing fails ("Server disconnected"; seen in the real-engine bench).
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
             "OMP_NUM_THREADS": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
