@@ -315,6 +315,7 @@ def main() -> None:
     parser.add_argument("--bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND ('auto': vLLM's default)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every regime's num_prompts")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-engine")
+    parser.add_argument("--from-runs", type=Path, help="no servers: summarise a runs.json an earlier bench wrote")
     args = parser.parse_args()
     arms = args.arms.split(",")
     for arm in arms:
@@ -324,10 +325,15 @@ def main() -> None:
         regimes = [Regime(**{**asdict(r), "num_prompts": max(4, int(r.num_prompts * args.scale))}) for r in regimes]
     servers = sorted({r.max_num_seqs for r in regimes})
     args.out.mkdir(parents=True, exist_ok=True)
-    model = real_moe_model()
     started, runs = time.monotonic(), []
+    if args.from_runs:
+        runs = json.loads(args.from_runs.read_text())
+        args.reps = 0
+    else:
+        model = real_moe_model()
     work = args.out / "servers"  # each server's log, client report and step trace, kept for a look afterwards
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.from_runs:
+        shutil.rmtree(work, ignore_errors=True)
     total = args.reps * len(servers) * len(arms)
     for rep in range(args.reps):
         order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
