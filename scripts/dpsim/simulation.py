@@ -136,7 +136,10 @@ def run(
             batch.start = max(now, device_free_at)
             work_ms = [profile.rank_ms(w.prefill_tokens, w.decode_requests) for w in batch.work]
             prefill = any(w.prefill_tokens for w in batch.work)
-            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise, prefill)
+            shared = profile.shared_ms(
+                sum(w.prefill_tokens for w in batch.work), sum(w.decode_requests for w in batch.work)
+            )
+            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise, prefill, shared)
             queue.append(batch)
             if len(queue) < depth:
                 # vLLM returns without waiting while the batch queue has room.
