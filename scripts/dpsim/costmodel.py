@@ -69,6 +69,15 @@ PARAMETERS: dict[str, tuple[type, Any, float, float | None, str]] = {
         None,
         "cost per decoding request of any rank, paid by every rank (EP MoE over all-gathered tokens)",
     ),
+    "arrival_delay_ms": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "time from the client's send to the request's arrival at the engine (API server: HTTP, tokenizing, "
+        "routing; counted in TTFT, and in a closed loop the time a freed slot waits for its next request)",
+    ),
+    "arrival_delay_spread": (float, 0.0, 0.0, 1.0, "each request's arrival delay is uniform in delay x (1 ± spread)"),
     "step_noise_cv": (float, 0.0, 0.0, 1.0, "per-rank step-time noise (coefficient of variation, log-normal)"),
     "num_speculative_tokens": (int, 0, 0, 16, "MTP draft tokens per decode step (0: no MTP)"),
     "acceptance_rate_mean": (float, 0.0, 0.0, 1.0, "mean per-draft acceptance rate of a request (MTP)"),
@@ -104,6 +113,8 @@ class CostProfile:
     prefill_step_overhead_ms: float = 0.0
     prefill_ms_per_token_all_ranks: float = 0.0
     decode_ms_per_request_all_ranks: float = 0.0
+    arrival_delay_ms: float = 0.0
+    arrival_delay_spread: float = 0.0
     step_noise_cv: float = 0.0
     num_speculative_tokens: int = 0
     acceptance_rate_mean: float = 0.0

@@ -44,10 +44,12 @@ def fit_off(runs: list[dict[str, Any]], hold_out: str | None, model: str) -> tup
 
 
 def priced_s(run: dict[str, Any], fit: Fit) -> float:
-    """The run's measured schedule priced with ``fit``: the sum of its steps' fitted costs."""
+    """The run's wall time with its measured steps re-priced by ``fit`` (the time outside steps, e.g.
+    an empty engine waiting for the client's next request, kept as measured)."""
     steps = steps_of([run])
     names = MODELS[fit.model]
-    return float((_columns(steps, names, fit.coefficients) @ np.array([fit.coefficients[n] for n in names])).sum())
+    priced = float((_columns(steps, names, fit.coefficients) @ np.array([fit.coefficients[n] for n in names])).sum())
+    return float(run["wall_s"] - steps.cost_s.sum() + priced / 1000.0)
 
 
 def measured(runs: list[dict[str, Any]], fit: Fit) -> dict[tuple[str, str], dict[str, float]]:
