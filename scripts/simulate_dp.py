@@ -512,14 +512,14 @@ def calibrate_profile(
 
 
 def fit_trace(args: argparse.Namespace) -> int:
-    from dpsim.trace_fit import fit_all, load_runs, profile_data, steps_of, describe_fits
+    from dpsim.trace_fit import describe_fits, fit_all, load_runs, profile_data, steps_of
 
     runs = load_runs(args.fit_trace, args.arm, args.regimes.split(",") if args.regimes else None)
     if not runs:
         print(f"error: no runs of arm {args.arm!r} in {args.fit_trace}", file=sys.stderr)
         return 1
     fits = fit_all(steps_of(runs))
-    print(f"{len(runs)} run(s) of arm {args.arm}: " + ", ".join(sorted({r['regime'] for r in runs})))
+    print(f"{len(runs)} run(s) of arm {args.arm}: " + ", ".join(sorted({r["regime"] for r in runs})))
     print(describe_fits(fits))
     if args.profile_out is not None:
         data = profile_data(fits[args.fit_model], fits, str(args.fit_trace))
@@ -559,7 +559,9 @@ def check_real(args: argparse.Namespace, profile: CostProfile) -> int:
         return 2
     overrides = dict(parse_assignment(text) for text in args.set)
     settings_over = {k: v for k, v in overrides.items() if k in SimSettings.__dataclass_fields__}
-    text, fit, fits = check(args.check_against, real_engine_sims(args, profile, settings_over), args.hold_out, args.fit_model)
+    text, fit, fits = check(
+        args.check_against, real_engine_sims(args, profile, settings_over), args.hold_out, args.fit_model
+    )
     print("fitted on the balance-off arm" + (f" without {args.hold_out}" if args.hold_out else "") + ":")
     print(describe_fits(fits))
     print(f"mechanisms: {', '.join(f'{k}={v}' for k, v in profile.values().items() if k not in fit.coefficients)}")
@@ -581,8 +583,10 @@ def policies_real(args: argparse.Namespace, profile: CostProfile) -> int:
     print("predicted change vs off in %")
     print(table(predicted, None, list(REAL_CPU_REGIMES)), flush=True)
     for (g, a), summary in predicted.items():
-        print(f"  {g:17} {a:18} {summary['output_tok_s']:7.1f} tok/s  TPOT {summary['tpot_mean_ms']:6.2f}  "
-              f"TTFT {summary['ttft_mean_ms']:6.0f}  steps {summary['steps']}  gated {summary.get('gated_rank_steps', 0)}")
+        print(
+            f"  {g:17} {a:18} {summary['output_tok_s']:7.1f} tok/s  TPOT {summary['tpot_mean_ms']:6.2f}  "
+            f"TTFT {summary['ttft_mean_ms']:6.0f}  steps {summary['steps']}  gated {summary.get('gated_rank_steps', 0)}"
+        )
     return 0
 
 

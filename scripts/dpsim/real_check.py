@@ -116,8 +116,7 @@ def absolute(predicted: dict[tuple[str, str], dict[str, Any]], actual: dict[tupl
         real = actual.get((regime, arm))
         if arm == "off" and real:
             lines.append(
-                f"  {regime}: "
-                + "  ".join(f"{label} {sim[s]:.1f} / {real[b]:.1f}" for label, b, s in METRICS)
+                f"  {regime}: " + "  ".join(f"{label} {sim[s]:.1f} / {real[b]:.1f}" for label, b, s in METRICS)
             )
     return "\n".join(lines)
 
@@ -134,8 +133,11 @@ def check(
     runs = load_runs(source)
     fit, fits = fit_off(runs, hold_out, model)
     regimes = [r for r in REAL_CPU_REGIMES if any(run["regime"] == r for run in runs)]
-    keys = {(regime, arm): (REAL_CPU_REGIMES[regime], REAL_CPU_ARMS[arm], {**fit.coefficients, **(profile_values or {})})
-            for regime in regimes for arm in REAL_CPU_ARMS}  # fmt: skip
+    keys = {
+        (regime, arm): (REAL_CPU_REGIMES[regime], REAL_CPU_ARMS[arm], {**fit.coefficients, **(profile_values or {})})
+        for regime in regimes
+        for arm in REAL_CPU_ARMS
+    }
     predicted = run_sims(keys)
     actual = measured(runs, fit)
     text = table(predicted, actual, regimes) + "\n" + absolute(predicted, actual)

@@ -90,10 +90,16 @@ def run(
     noise = random.Random(settings.seed + 3)
     # The front end's latency, per request (own stream: the other draws stay as they were).
     delay_rng = random.Random(settings.seed + 5)
-    delays = [
-        profile.arrival_delay_ms / 1000.0 * delay_rng.uniform(1 - profile.arrival_delay_spread, 1 + profile.arrival_delay_spread)
-        for _ in range(settings.num_requests)
-    ] if profile.arrival_delay_ms else [0.0] * settings.num_requests
+    delays = (
+        [
+            profile.arrival_delay_ms
+            / 1000.0
+            * delay_rng.uniform(1 - profile.arrival_delay_spread, 1 + profile.arrival_delay_spread)
+            for _ in range(settings.num_requests)
+        ]
+        if profile.arrival_delay_ms
+        else [0.0] * settings.num_requests
+    )
     in_transit: list[tuple[float, int, float]] = []  # (arrival at the engine, index, client's send)
     router = make_router(settings.router, settings.dp_size, cluster.counts, profile.coordinator_publish_ms / 1000.0)
     recorder = RunRecorder(settings.num_requests, remote)

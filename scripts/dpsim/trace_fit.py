@@ -140,7 +140,9 @@ def describe_fits(fits: dict[str, Fit]) -> str:
     lines = []
     for f in fits.values():
         terms = ", ".join(f"{k} {v:.4g}" for k, v in f.coefficients.items())
-        lines.append(f"{f.model:>4}: rmse {f.rmse_ms:.2f} ms (mean step {f.mean_ms:.2f} ms, {f.iterations} steps): {terms}")
+        lines.append(
+            f"{f.model:>4}: rmse {f.rmse_ms:.2f} ms (mean step {f.mean_ms:.2f} ms, {f.iterations} steps): {terms}"
+        )
     return "\n".join(lines)
 
 

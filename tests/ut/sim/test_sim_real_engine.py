@@ -28,8 +28,14 @@ TRUE_BOTH = {
 }
 
 
-def synthetic_run(costs: dict[str, float], arm: str = "off", regime: str = "closed-4-fixed", steps: int = 400,
-                  noise_ms: float = 0.0, seed: int = 0) -> dict:  # fmt: skip
+def synthetic_run(
+    costs: dict[str, float],
+    arm: str = "off",
+    regime: str = "closed-4-fixed",
+    steps: int = 400,
+    noise_ms: float = 0.0,
+    seed: int = 0,
+) -> dict:
     """A bench run whose step times follow ``costs`` exactly (plus optional noise)."""
     rng = random.Random(seed)
     records, t = [], 100.0
@@ -37,15 +43,42 @@ def synthetic_run(costs: dict[str, float], arm: str = "off", regime: str = "clos
         work = [(rng.choice([0, 0, 0, rng.randint(1, 2048)]), rng.randint(0, 32)) for _ in range(2)]
         own = max(p * costs.get("prefill_ms_per_token", 0) + d * costs.get("decode_ms_per_request", 0) for p, d in work)
         total_p, total_d = sum(p for p, _ in work), sum(d for _, d in work)
-        step_ms = (costs["step_overhead_ms"] + own + total_p * costs.get("prefill_ms_per_token_all_ranks", 0)
-                   + total_d * costs.get("decode_ms_per_request_all_ranks", 0)
-                   + (costs.get("prefill_step_overhead_ms", 0) if total_p else 0) + rng.gauss(0, noise_ms))  # fmt: skip
+        step_ms = (
+            costs["step_overhead_ms"]
+            + own
+            + total_p * costs.get("prefill_ms_per_token_all_ranks", 0)
+            + total_d * costs.get("decode_ms_per_request_all_ranks", 0)
+            + (costs.get("prefill_step_overhead_ms", 0) if total_p else 0)
+            + rng.gauss(0, noise_ms)
+        )
         for rank, (p, d) in enumerate(work):
-            records.append({"it": it, "t": t, "dt": step_ms / 1000 - 0.0005, "rank": rank, "prefill_tokens": p,
-                            "decode_reqs": d, "running": d, "waiting": 0, "cap": 32, "closed": 0, "admitted": 0})  # fmt: skip
+            records.append(
+                {
+                    "it": it,
+                    "t": t,
+                    "dt": step_ms / 1000 - 0.0005,
+                    "rank": rank,
+                    "prefill_tokens": p,
+                    "decode_reqs": d,
+                    "running": d,
+                    "waiting": 0,
+                    "cap": 32,
+                    "closed": 0,
+                    "admitted": 0,
+                }
+            )
         t += step_ms / 1000
-    return {"arm": arm, "regime": regime, "rep": 0, "wall_s": t - 100.0 + 1.0, "output_throughput": 100.0,
-            "mean_tpot_ms": 20.0, "mean_ttft_ms": 500.0, "mean_e2el_ms": 3000.0, "engine": {"records": records}}  # fmt: skip
+    return {
+        "arm": arm,
+        "regime": regime,
+        "rep": 0,
+        "wall_s": t - 100.0 + 1.0,
+        "output_throughput": 100.0,
+        "mean_tpot_ms": 20.0,
+        "mean_ttft_ms": 500.0,
+        "mean_e2el_ms": 3000.0,
+        "engine": {"records": records},
+    }
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -92,8 +125,11 @@ def test_real_cpu_presets_match_the_bench() -> None:
     import ast
 
     source = (Path(simulate_dp.__file__).parent / "bench_engine.py").read_text()
-    calls = [n for n in ast.walk(ast.parse(source))
-             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Regime" and len(n.args) == 2]
+    calls = [
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Regime" and len(n.args) == 2
+    ]
     bench = {}
     for call in calls:
         name, seqs = (ast.literal_eval(a) for a in call.args)
@@ -102,7 +138,11 @@ def test_real_cpu_presets_match_the_bench() -> None:
     for name, regime in bench.items():
         s = REAL_CPU_REGIMES[name]
         assert (s.dp_size, s.max_num_seqs, s.num_requests, s.max_num_batched_tokens) == (
-            2, regime["max_num_seqs"], regime["num_prompts"], 2048)  # fmt: skip
+            2,
+            regime["max_num_seqs"],
+            regime["num_prompts"],
+            2048,
+        )
         assert s.concurrency == regime.get("concurrency") and s.request_rate == regime.get("request_rate")
         assert s.prompt_spread == s.output_spread == regime.get("range_ratio", 0.0)
         assert (s.prompt_tokens, s.output_tokens) == (1024, 128)
@@ -129,14 +169,17 @@ def test_costs_every_rank_pays_make_aligned_prefills_cost_the_same_as_apart(mode
     assert group.summary["e2e_s"] > own.summary["e2e_s"]
     off = with_values(COSTS, {"prefill_ms_per_token_all_ranks": 0.0}, "test")
     assert run(SMALL, off, Arm("off", False), model_dir=model).summary == {
-        **own.summary, "sim_wall_s": pytest.approx(own.summary["sim_wall_s"], abs=1e9),
-        "sim_cpu_s": pytest.approx(own.summary["sim_cpu_s"], abs=1e9)}  # fmt: skip
+        **own.summary,
+        "sim_wall_s": pytest.approx(own.summary["sim_wall_s"], abs=1e9),
+        "sim_cpu_s": pytest.approx(own.summary["sim_cpu_s"], abs=1e9),
+    }
 
 
 def test_arrival_delay_counts_in_ttft_and_idles_the_closed_loop(model: Path) -> None:
     base = run(SMALL, COSTS, Arm("off", False), model_dir=model).summary
-    delayed = run(SMALL, with_values(COSTS, {"arrival_delay_ms": 500.0}, "test"), Arm("off", False),
-                  model_dir=model).summary  # fmt: skip
+    delayed = run(
+        SMALL, with_values(COSTS, {"arrival_delay_ms": 500.0}, "test"), Arm("off", False), model_dir=model
+    ).summary
     assert delayed["ttft_mean_ms"] == pytest.approx(base["ttft_mean_ms"] + 500.0, abs=60.0)
     assert delayed["output_tok_s"] < base["output_tok_s"]  # freed slots wait for the next request
     # Spread desynchronises the ranks: the gate then closes (without spread, fixed lengths stay in step).
@@ -163,8 +206,9 @@ def test_check_against_prints_predicted_beside_measured(tmp_path: Path) -> None:
     assert measured(runs, fitted)[("closed-4-fixed", "off")]["n"] == 1
 
 
-def test_real_cpu_preset_runs_every_regime_and_arm(monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_real_cpu_preset_runs_every_regime_and_arm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Smaller regimes, same deployment: every regime and arm runs through the CLI.
     small = {name: dataclasses.replace(s, num_requests=8) for name, s in REAL_CPU_REGIMES.items()}
     monkeypatch.setattr("dpsim.settings.REAL_CPU_REGIMES", small)
