@@ -23,6 +23,7 @@ a closed gate. It writes ``<out>/bench.json`` (every run, with its per-iteration
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -104,7 +105,8 @@ def bench_client_args(server: Server, regime: Regime, seed: int, num_prompts: in
         "--tokenizer", str(server.model), "--dataset-name", "random",
         "--random-input-len", str(regime.input_len), "--random-output-len", str(regime.output_len),
         "--random-range-ratio", str(regime.range_ratio), "--num-prompts", str(num_prompts),
-        "--ignore-eos", "--seed", str(seed), "--ready-check-timeout-sec", "120", "--disable-tqdm",
+        "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--seed", str(seed),
+        "--ready-check-timeout-sec", "120", "--disable-tqdm",
     ]  # fmt: skip
     if regime.concurrency is not None:
         args += ["--max-concurrency", str(regime.concurrency)]
@@ -113,14 +115,16 @@ def bench_client_args(server: Server, regime: Regime, seed: int, num_prompts: in
     return args
 
 
-def run_client(args: list[str]) -> dict[str, Any]:
+def run_client(args: list[str], log: Path) -> dict[str, Any]:
+    """vLLM's benchmark client in this process (imported once); its report goes to ``log``, not the terminal."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    return bench_main(parser.parse_args(args))
+    with open(log, "a") as out, contextlib.redirect_stdout(out):
+        return bench_main(parser.parse_args(args))
 
 
 def read_trace(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
@@ -175,11 +179,13 @@ def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, 
     runs = []
     with server:
         warm = regimes[0]
-        run_client(bench_client_args(server, warm, seed=1000 + rep, num_prompts=2 * DP_SIZE))
+        run_client(bench_client_args(server, warm, seed=1000 + rep, num_prompts=2 * DP_SIZE), trace_dir / "client.log")
         for regime in regimes:
             since = {rank: len(records) for rank, records in read_trace(trace_dir).items()}
             started = time.monotonic()
-            result = run_client(bench_client_args(server, regime, seed=rep, num_prompts=regime.num_prompts))
+            result = run_client(
+                bench_client_args(server, regime, seed=rep, num_prompts=regime.num_prompts), trace_dir / "client.log"
+            )
             wall = time.monotonic() - started
             time.sleep(1.0)  # the last step's record is written when the next iteration starts or the loop syncs
             engine = counters(read_trace(trace_dir), since)

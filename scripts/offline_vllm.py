@@ -128,7 +128,7 @@ def make_vllm_config(
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
     parallel_config = ParallelConfig(data_parallel_size=dp_size)
-    return VllmConfig(
+    vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
@@ -138,6 +138,11 @@ def make_vllm_config(
         speculative_config=speculative_config,
         **({"additional_config": additional_config} if additional_config is not None else {}),
     )
+    # These configs stand in for an accelerator's. On vLLM's CPU build (the v0.32.0-cpu line) the detected CPU
+    # platform turns async scheduling off (its kernels gain nothing from it); keep what the caller asked for, as
+    # the accelerator platforms do.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    return vllm_config
 
 
 def kv_cache_config_for(vllm_config: VllmConfig) -> KVCacheConfig:

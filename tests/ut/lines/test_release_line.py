@@ -29,8 +29,13 @@ from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend_balance.patch_balance_coexist import COPYING_MODULE as VLLM_ASCEND_COPYING_MODULE
 
 # vLLM version -> the vllm-ascend it pairs with on that line (None: the line runs without vllm-ascend).
-SUPPORTED_LINES = {"0.18.0": "0.18.0", "0.23.0": "0.23.0", "0.27.1": "0.0.0+main.182b75ea84ff", "0.33.0": None,
-                   "0.32.0+cpu": None}
+SUPPORTED_LINES = {
+    "0.18.0": "0.18.0",
+    "0.23.0": "0.23.0",
+    "0.27.1": "0.0.0+main.182b75ea84ff",
+    "0.33.0": None,
+    "0.32.0+cpu": None,
+}
 # How vllm-ascend's platform patch package imports its copying balance module on each line.
 COPY_IMPORT_STYLE = {"0.18.0": "env-gated", "0.23.0": "unconditional", "0.27.1": "unconditional"}
 # The arguments of vLLM's Scheduler.schedule() on each line (0.24 added the DP prefill throttle).
