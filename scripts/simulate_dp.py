@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-out", type=Path, help="with --fit-trace: write the fitted profile here")
     parser.add_argument("--hold-out", help="with --check-against: fit without this regime's runs (predict it)")
     parser.add_argument(
+        "--fit-delay",
+        action="store_true",
+        help="with --check-against: fit the front end's arrival_delay_ms on the off arm's TTFT as well "
+        "(default: the profile's)",
+    )
+    parser.add_argument(
         "--calibrate-knob",
         choices=("prefill_ms_per_token", "prefill_step_overhead_ms"),
         help="with --calibrate: the prefill cost to fit (default: the preset's)",
@@ -560,7 +566,11 @@ def check_real(args: argparse.Namespace, profile: CostProfile) -> int:
     overrides = dict(parse_assignment(text) for text in args.set)
     settings_over = {k: v for k, v in overrides.items() if k in SimSettings.__dataclass_fields__}
     text, fit, fits = check(
-        args.check_against, real_engine_sims(args, profile, settings_over), args.hold_out, args.fit_model
+        args.check_against,
+        real_engine_sims(args, profile, settings_over),
+        args.hold_out,
+        args.fit_model,
+        fit_delay=args.fit_delay,
     )
     print("fitted on the balance-off arm" + (f" without {args.hold_out}" if args.hold_out else "") + ":")
     print(describe_fits(fits))

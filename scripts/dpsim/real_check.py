@@ -121,24 +121,50 @@ def absolute(predicted: dict[tuple[str, str], dict[str, Any]], actual: dict[tupl
     return "\n".join(lines)
 
 
+def fit_arrival_delay(
+    runs: list[dict[str, Any]],
+    costs: dict[str, Any],
+    regimes: list[str],
+    hold_out: str | None,
+    run_sims: Callable[[dict[tuple[str, str], Any]], dict[tuple[str, str], dict[str, Any]]],
+) -> float:
+    """The front end's delay (ms) from the off arm: measured TTFT minus the simulated one without a delay,
+    the median over the training regimes (TTFT counts from the send, so the delay adds to it)."""
+    train = [r for r in regimes if r != hold_out and any(x["regime"] == r and x["arm"] == "off" for x in runs)]
+    keys = {(r, "off"): (REAL_CPU_REGIMES[r], REAL_CPU_ARMS["off"], {**costs, "arrival_delay_ms": 0.0}) for r in train}
+    sims = run_sims(keys)
+    gaps = [
+        statistics.median(x["mean_ttft_ms"] for x in runs if x["regime"] == r and x["arm"] == "off")
+        - sims[(r, "off")]["ttft_mean_ms"]
+        for r in train
+    ]
+    return max(0.0, statistics.median(gaps))
+
+
 def check(
     source: Path,
     run_sims: Callable[[dict[tuple[str, str], Any]], dict[tuple[str, str], dict[str, Any]]],
     hold_out: str | None = None,
     model: str = "both",
     profile_values: dict[str, Any] | None = None,
+    fit_delay: bool = False,
 ) -> tuple[str, Fit, dict[str, Fit]]:
     """Fit on ``source``'s off arm, simulate (``run_sims``: {(regime, arm): settings} -> summaries),
-    and return the printed comparison."""
+    and return the printed comparison; ``fit_delay``: the arrival delay fitted on the off arm's TTFT too."""
     runs = load_runs(source)
     fit, fits = fit_off(runs, hold_out, model)
     regimes = [r for r in REAL_CPU_REGIMES if any(run["regime"] == r for run in runs)]
+    costs = {**fit.coefficients, **(profile_values or {})}
+    note = ""
+    if fit_delay:
+        costs["arrival_delay_ms"] = fit_arrival_delay(runs, costs, regimes, hold_out, run_sims)
+        note = f"arrival delay fitted on the off arm's TTFT: {costs['arrival_delay_ms']:.0f} ms\n"
     keys = {
-        (regime, arm): (REAL_CPU_REGIMES[regime], REAL_CPU_ARMS[arm], {**fit.coefficients, **(profile_values or {})})
+        (regime, arm): (REAL_CPU_REGIMES[regime], REAL_CPU_ARMS[arm], costs)
         for regime in regimes
         for arm in REAL_CPU_ARMS
     }
     predicted = run_sims(keys)
     actual = measured(runs, fit)
-    text = table(predicted, actual, regimes) + "\n" + absolute(predicted, actual)
+    text = note + table(predicted, actual, regimes) + "\n" + absolute(predicted, actual)
     return text, fit, fits

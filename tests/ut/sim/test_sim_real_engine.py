@@ -216,3 +216,22 @@ def test_real_cpu_preset_runs_every_regime_and_arm(
     out = capsys.readouterr().out
     for name in small:
         assert sum(name in line for line in out.splitlines()) == 3 + 4  # changes, then every arm
+
+
+def test_check_fits_the_arrival_delay_on_the_off_arm_ttft(tmp_path: Path) -> None:
+    runs = [synthetic_run(TRUE_BOTH, arm=arm, seed=i) for i, arm in enumerate(REAL_CPU_ARMS)]  # TTFT 500 ms
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(runs))
+    seen: list[dict] = []
+
+    def fake_sims(keys: dict) -> dict:
+        seen.append(keys)
+        return {
+            key: {"output_tok_s": 100.0, "tpot_mean_ms": 20.0, "ttft_mean_ms": 200.0 + costs["arrival_delay_ms"]}
+            for key, (_, _, costs) in keys.items()
+        }
+
+    text, _, _ = check(path, fake_sims, fit_delay=True)
+    assert set(seen[0]) == {("closed-4-fixed", "off")}  # the delay is fitted on the off arm only
+    assert "fitted on the off arm's TTFT: 300 ms" in text
+    assert all(costs["arrival_delay_ms"] == 300.0 for _, _, costs in seen[1].values())
