@@ -454,6 +454,17 @@ def describe(settings: SimSettings, profile: CostProfile) -> str:
         f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
         f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}"
         + (
+            f"; every rank pays {profile.prefill_ms_per_token_all_ranks:g} ms per prefill token and "
+            f"{profile.decode_ms_per_request_all_ranks:g} ms per decoding request of any rank"
+            if profile.prefill_ms_per_token_all_ranks or profile.decode_ms_per_request_all_ranks
+            else ""
+        )
+        + (
+            f"; arrival delay {profile.arrival_delay_ms:g} ms ± {profile.arrival_delay_spread:.0%}"
+            if profile.arrival_delay_ms
+            else ""
+        )
+        + (
             f"; remote KV {settings.remote_kv_fraction:.0%} of requests, loads take "
             f"{settings.remote_kv_delay_steps} steps, their one-token step priced as "
             f"{'prefill' if settings.remote_kv_step_prefill else 'decode'}"
