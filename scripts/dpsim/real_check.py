@@ -16,6 +16,7 @@ policy can cause, and the fair target for a simulator that prices steps the same
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dpsim.settings import REAL_CPU_ARMS, REAL_CPU_REGIMES
+from dpsim.settings import REAL_CPU_ARMS, REAL_CPU_REGIMES, SimSettings
 from dpsim.trace_fit import MODELS, Fit, _columns, fit_all, load_runs, steps_of
 
 # (label, bench key, simulator key)
@@ -124,14 +125,14 @@ def absolute(predicted: dict[tuple[str, str], dict[str, Any]], actual: dict[tupl
 def fit_arrival_delay(
     runs: list[dict[str, Any]],
     costs: dict[str, Any],
-    regimes: list[str],
+    regimes: dict[str, SimSettings],
     hold_out: str | None,
     run_sims: Callable[[dict[tuple[str, str], Any]], dict[tuple[str, str], dict[str, Any]]],
 ) -> float:
     """The front end's delay (ms) from the off arm: measured TTFT minus the simulated one without a delay,
     the median over the training regimes (TTFT counts from the send, so the delay adds to it)."""
     train = [r for r in regimes if r != hold_out and any(x["regime"] == r and x["arm"] == "off" for x in runs)]
-    keys = {(r, "off"): (REAL_CPU_REGIMES[r], REAL_CPU_ARMS["off"], {**costs, "arrival_delay_ms": 0.0}) for r in train}
+    keys = {(r, "off"): (regimes[r], REAL_CPU_ARMS["off"], {**costs, "arrival_delay_ms": 0.0}) for r in train}
     sims = run_sims(keys)
     gaps = [
         statistics.median(x["mean_ttft_ms"] for x in runs if x["regime"] == r and x["arm"] == "off")
@@ -154,16 +155,17 @@ def check(
     runs = load_runs(source)
     fit, fits = fit_off(runs, hold_out, model)
     regimes = [r for r in REAL_CPU_REGIMES if any(run["regime"] == r for run in runs)]
+    # The bench's --scale changes the number of requests: simulate as many as the runs completed.
+    settings = {
+        r: dataclasses.replace(REAL_CPU_REGIMES[r], num_requests=max(x["completed"] for x in runs if x["regime"] == r))
+        for r in regimes
+    }
     costs = {**fit.coefficients, **(profile_values or {})}
     note = ""
     if fit_delay:
-        costs["arrival_delay_ms"] = fit_arrival_delay(runs, costs, regimes, hold_out, run_sims)
+        costs["arrival_delay_ms"] = fit_arrival_delay(runs, costs, settings, hold_out, run_sims)
         note = f"arrival delay fitted on the off arm's TTFT: {costs['arrival_delay_ms']:.0f} ms\n"
-    keys = {
-        (regime, arm): (REAL_CPU_REGIMES[regime], REAL_CPU_ARMS[arm], costs)
-        for regime in regimes
-        for arm in REAL_CPU_ARMS
-    }
+    keys = {(regime, arm): (settings[regime], REAL_CPU_ARMS[arm], costs) for regime in regimes for arm in REAL_CPU_ARMS}
     predicted = run_sims(keys)
     actual = measured(runs, fit)
     text = note + table(predicted, actual, regimes) + "\n" + absolute(predicted, actual)

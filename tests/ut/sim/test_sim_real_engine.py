@@ -73,6 +73,7 @@ def synthetic_run(
         "regime": regime,
         "rep": 0,
         "wall_s": t - 100.0 + 1.0,
+        "completed": 32,
         "output_throughput": 100.0,
         "mean_tpot_ms": 20.0,
         "mean_ttft_ms": 500.0,
