@@ -78,6 +78,13 @@ PARAMETERS: dict[str, tuple[type, Any, float, float | None, str]] = {
         "routing; counted in TTFT, and in a closed loop the time a freed slot waits for its next request)",
     ),
     "arrival_delay_spread": (float, 0.0, 0.0, 1.0, "each request's arrival delay is uniform in delay x (1 ± spread)"),
+    "response_delay_ms": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "closed loop: time from a request's last token to the client's next send (the response's way back)",
+    ),
     "step_noise_cv": (float, 0.0, 0.0, 1.0, "per-rank step-time noise (coefficient of variation, log-normal)"),
     "num_speculative_tokens": (int, 0, 0, 16, "MTP draft tokens per decode step (0: no MTP)"),
     "acceptance_rate_mean": (float, 0.0, 0.0, 1.0, "mean per-draft acceptance rate of a request (MTP)"),
@@ -115,6 +122,7 @@ class CostProfile:
     decode_ms_per_request_all_ranks: float = 0.0
     arrival_delay_ms: float = 0.0
     arrival_delay_spread: float = 0.0
+    response_delay_ms: float = 0.0
     step_noise_cv: float = 0.0
     num_speculative_tokens: int = 0
     acceptance_rate_mean: float = 0.0

@@ -173,7 +173,7 @@ def run(
         recorder.step(now, batch.work, cluster.running())
         for request_id in finished:
             recorder.done(int(request_id), now)
-            client.finished(now)
+            client.finished(now + profile.response_delay_ms / 1000.0)
         remaining -= len(finished)
         if finished and progress is not None:
             progress(len(finished))

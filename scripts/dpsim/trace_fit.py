@@ -98,6 +98,22 @@ def steps_of(runs: list[dict[str, Any]]) -> Steps:
     return Steps(np.array(prefill, float), np.array(decode, float), np.array(cost))
 
 
+def replacement_gaps_s(run: dict[str, Any], first_wave: int) -> list[float]:
+    """Closed loop: from each request's finish to the admission of a later request, paired in order (the
+    client's round trip as the engine sees it; the first ``first_wave`` admissions have no freed slot)."""
+    by_it: dict[int, dict[int, dict[str, Any]]] = {}
+    for record in run["engine"]["records"]:
+        by_it.setdefault(record["it"], {})[record["rank"]] = record
+    finishes, admissions = [], []
+    for it, records in by_it.items():
+        for r in records.values():
+            admissions += [r["t"]] * r["admitted"]
+            after = by_it.get(it + 1, {}).get(r["rank"])
+            if after is not None:
+                finishes += [r["t"] + r["dt"]] * max(0, r["running"] - after["running"] + after["admitted"])
+    return [a - f for f, a in zip(sorted(finishes), sorted(admissions)[first_wave:])]
+
+
 def _columns(steps: Steps, names: tuple[str, ...], coef: dict[str, float]) -> np.ndarray:
     a, b = coef.get("prefill_ms_per_token", 1.0), coef.get("decode_ms_per_request", 0.0)
     slowest = np.argmax(steps.prefill * a + steps.decode * b, axis=1)  # the max term's rank

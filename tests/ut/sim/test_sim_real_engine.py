@@ -236,3 +236,10 @@ def test_check_fits_the_arrival_delay_on_the_off_arm_ttft(tmp_path: Path) -> Non
     assert set(seen[0]) == {("closed-4-fixed", "off")}  # the delay is fitted on the off arm only
     assert "fitted on the off arm's TTFT: 300 ms" in text
     assert all(costs["arrival_delay_ms"] == 300.0 for _, _, costs in seen[1].values())
+
+
+def test_response_delay_idles_the_closed_loop_outside_ttft(model: Path) -> None:
+    base = run(SMALL, COSTS, Arm("off", False), model_dir=model).summary
+    slow = run(SMALL, with_values(COSTS, {"response_delay_ms": 500.0}, "test"), Arm("off", False), model_dir=model)
+    assert slow.summary["output_tok_s"] < base["output_tok_s"]  # the next request is sent 0.5 s later
+    assert slow.summary["ttft_mean_ms"] == pytest.approx(base["ttft_mean_ms"], rel=0.2)  # TTFT starts at the send
