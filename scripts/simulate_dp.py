@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-out", type=Path, help="with --fit-trace: write the fitted profile here")
     parser.add_argument("--hold-out", help="with --check-against: fit without this regime's runs (predict it)")
     parser.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=1,
+        help="preset real-cpu: the mean over this many seeds per regime and arm",
+    )
+    parser.add_argument(
         "--fit-delay",
         action="store_true",
         help="with --check-against: fit the front end's arrival_delay_ms on the off arm's TTFT as well "
@@ -550,18 +556,30 @@ def fit_trace(args: argparse.Namespace) -> int:
 
 
 def real_engine_sims(args: argparse.Namespace, profile: CostProfile, settings_over: dict[str, str]):
-    """{(regime, arm): (settings, arm, cost overrides)} -> {(regime, arm): summary}, every run at once."""
+    """{(regime, arm): (settings, arm, cost overrides)} -> {(regime, arm): summary}, every run at once;
+    with ``--seeds N`` each figure is the mean over seeds 0..N-1 (small closed loops depend on chance)."""
     from dpsim.costmodel import with_values
 
     def run_sims(keys: dict[tuple[str, str], Any]) -> dict[tuple[str, str], dict[str, Any]]:
         jobs, names = [], {}
         for (regime, arm_name), (settings, arm, costs) in keys.items():
             s, p = apply(settings, with_values(profile, costs, "fit"), settings_over)
-            key = f"{regime} {arm_name}"
-            names[key] = (regime, arm_name)
-            jobs.append(Job(key, s, p, arm))
+            for seed in range(args.seeds):
+                key = f"{regime} {arm_name} seed {seed}"
+                names[key] = (regime, arm_name)
+                jobs.append(Job(key, dataclasses.replace(s, seed=s.seed + seed), p, arm))
         results = run_jobs(jobs, args.jobs, not args.no_progress)
-        return {names[k]: r.summary for k, r in results.items()}
+        grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for key, result in results.items():
+            grouped.setdefault(names[key], []).append(result.summary)
+        return {
+            name: {
+                k: sum(x[k] for x in summaries) / len(summaries)
+                for k in summaries[0]
+                if all(isinstance(x.get(k), (int, float)) and not isinstance(x.get(k), bool) for x in summaries)
+            }
+            for name, summaries in grouped.items()
+        }
 
     return run_sims
 
