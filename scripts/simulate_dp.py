@@ -134,6 +134,42 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--balance", choices=("off", "on"), default="on", help="single run with balance scheduling off or on"
     )
+    mode.add_argument(
+        "--fit-trace",
+        type=Path,
+        metavar="RUNS.json",
+        help="fit the step costs on a real engine's step trace (scripts/bench_engine.py's runs.json), one arm "
+        "(--arm); prints the fit of every cost structure; with --profile-out writes the profile",
+    )
+    mode.add_argument(
+        "--check-against",
+        type=Path,
+        metavar="RUNS.json",
+        help="preset real-cpu: fit the costs on the bench's balance-off arm (runs.json, or bench.json beside "
+        "it), simulate every regime and arm, print predicted vs measured change vs off",
+    )
+    parser.add_argument("--arm", default="off", help="with --fit-trace: the bench arm to fit on")
+    parser.add_argument("--regimes", help="with --fit-trace: comma-separated bench regimes to fit on (default: all)")
+    parser.add_argument(
+        "--fit-model",
+        choices=("max", "sum", "both"),
+        default="both",
+        help="cost structure of --fit-trace/--check-against: slowest rank's work, totals over ranks, or both",
+    )
+    parser.add_argument("--profile-out", type=Path, help="with --fit-trace: write the fitted profile here")
+    parser.add_argument("--hold-out", help="with --check-against: fit without this regime's runs (predict it)")
+    parser.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=1,
+        help="preset real-cpu: the mean over this many seeds per regime and arm",
+    )
+    parser.add_argument(
+        "--fit-delay",
+        action="store_true",
+        help="with --check-against: fit the front end's arrival_delay_ms on the off arm's TTFT as well "
+        "(default: the profile's)",
+    )
     parser.add_argument(
         "--calibrate-knob",
         choices=("prefill_ms_per_token", "prefill_step_overhead_ms"),
@@ -424,6 +460,17 @@ def describe(settings: SimSettings, profile: CostProfile) -> str:
         f"{'on' if profile.async_scheduling else 'off'}, coordinator publish "
         f"{profile.coordinator_publish_ms:g} ms; seed {settings.seed}"
         + (
+            f"; every rank pays {profile.prefill_ms_per_token_all_ranks:g} ms per prefill token and "
+            f"{profile.decode_ms_per_request_all_ranks:g} ms per decoding request of any rank"
+            if profile.prefill_ms_per_token_all_ranks or profile.decode_ms_per_request_all_ranks
+            else ""
+        )
+        + (
+            f"; arrival delay {profile.arrival_delay_ms:g} ms ± {profile.arrival_delay_spread:.0%}"
+            if profile.arrival_delay_ms
+            else ""
+        )
+        + (
             f"; remote KV {settings.remote_kv_fraction:.0%} of requests, loads take "
             f"{settings.remote_kv_delay_steps} steps, their one-token step priced as "
             f"{'prefill' if settings.remote_kv_step_prefill else 'decode'}"
@@ -487,11 +534,114 @@ def calibrate_profile(
     return 0
 
 
+def fit_trace(args: argparse.Namespace) -> int:
+    from dpsim.trace_fit import describe_fits, fit_all, load_runs, profile_data, steps_of
+
+    runs = load_runs(args.fit_trace, args.arm, args.regimes.split(",") if args.regimes else None)
+    if not runs:
+        print(f"error: no runs of arm {args.arm!r} in {args.fit_trace}", file=sys.stderr)
+        return 1
+    fits = fit_all(steps_of(runs))
+    print(f"{len(runs)} run(s) of arm {args.arm}: " + ", ".join(sorted({r["regime"] for r in runs})))
+    print(describe_fits(fits))
+    if args.profile_out is not None:
+        data = profile_data(fits[args.fit_model], fits, str(args.fit_trace))
+        from dpsim.costmodel import profile_from_dict
+
+        profile_from_dict(data, str(args.profile_out))  # checked like any profile before it is written
+        args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+        args.profile_out.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.profile_out} (model {args.fit_model})")
+    return 0
+
+
+def real_engine_sims(args: argparse.Namespace, profile: CostProfile, settings_over: dict[str, str]):
+    """{(regime, arm): (settings, arm, cost overrides)} -> {(regime, arm): summary}, every run at once;
+    with ``--seeds N`` each figure is the mean over seeds 0..N-1 (small closed loops depend on chance)."""
+    from dpsim.costmodel import with_values
+
+    def run_sims(keys: dict[tuple[str, str], Any]) -> dict[tuple[str, str], dict[str, Any]]:
+        jobs, names = [], {}
+        for (regime, arm_name), (settings, arm, costs) in keys.items():
+            s, p = apply(settings, with_values(profile, costs, "fit"), settings_over)
+            for seed in range(args.seeds):
+                key = f"{regime} {arm_name} seed {seed}"
+                names[key] = (regime, arm_name)
+                jobs.append(Job(key, dataclasses.replace(s, seed=s.seed + seed), p, arm))
+        results = run_jobs(jobs, args.jobs, not args.no_progress)
+        grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for key, result in results.items():
+            grouped.setdefault(names[key], []).append(result.summary)
+        return {
+            name: {
+                k: sum(x[k] for x in summaries) / len(summaries)
+                for k in summaries[0]
+                if all(isinstance(x.get(k), (int, float)) and not isinstance(x.get(k), bool) for x in summaries)
+            }
+            for name, summaries in grouped.items()
+        }
+
+    return run_sims
+
+
+def check_real(args: argparse.Namespace, profile: CostProfile) -> int:
+    from dpsim.real_check import check
+    from dpsim.settings import REAL_CPU_REGIMES
+    from dpsim.trace_fit import describe_fits
+
+    if args.hold_out is not None and args.hold_out not in REAL_CPU_REGIMES:
+        print(f"error: unknown regime {args.hold_out!r}; one of {', '.join(REAL_CPU_REGIMES)}", file=sys.stderr)
+        return 2
+    overrides = dict(parse_assignment(text) for text in args.set)
+    settings_over = {k: v for k, v in overrides.items() if k in SimSettings.__dataclass_fields__}
+    text, fit, fits = check(
+        args.check_against,
+        real_engine_sims(args, profile, settings_over),
+        args.hold_out,
+        args.fit_model,
+        fit_delay=args.fit_delay,
+    )
+    print("fitted on the balance-off arm" + (f" without {args.hold_out}" if args.hold_out else "") + ":")
+    print(describe_fits(fits))
+    print(f"mechanisms: {', '.join(f'{k}={v}' for k, v in profile.values().items() if k not in fit.coefficients)}")
+    print("change vs off in % (sim: predicted; real: measured medians; re-priced: measured schedule at one speed)")
+    print(text, flush=True)
+    return 0
+
+
+def policies_real(args: argparse.Namespace, profile: CostProfile) -> int:
+    """``--preset real-cpu --compare-policies``: the bench's arms over every regime, the shipped profile."""
+    from dpsim.real_check import table
+    from dpsim.settings import REAL_CPU_ARMS, REAL_CPU_REGIMES
+
+    overrides = dict(parse_assignment(text) for text in args.set)
+    settings_over = {k: v for k, v in overrides.items() if k in SimSettings.__dataclass_fields__}
+    keys = {(g, a): (s, arm, {}) for g, s in REAL_CPU_REGIMES.items() for a, arm in REAL_CPU_ARMS.items()}
+    predicted = real_engine_sims(args, profile, settings_over)(keys)
+    print(describe(REAL_CPU_REGIMES["closed-4-fixed"], profile).split("; profile")[1])
+    print("predicted change vs off in %")
+    print(table(predicted, None, list(REAL_CPU_REGIMES)), flush=True)
+    for (g, a), summary in predicted.items():
+        print(
+            f"  {g:17} {a:18} {summary['output_tok_s']:7.1f} tok/s  TPOT {summary['tpot_mean_ms']:6.2f}  "
+            f"TTFT {summary['ttft_mean_ms']:6.0f}  steps {summary['steps']}  gated {summary.get('gated_rank_steps', 0)}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.fit_trace is not None:
+        return fit_trace(args)
     preset, settings, profile = resolve(parser, args)
+    if args.check_against is not None or (args.preset == "real-cpu" and args.compare_policies):
+        if args.preset != "real-cpu":
+            parser.error("--check-against goes with --preset real-cpu")
+        status = check_real(args, profile) if args.check_against is not None else policies_real(args, profile)
+        print(f"wall time {time.perf_counter() - started:.1f} s", flush=True)
+        return status
     if args.calibrate is not None:
         status = calibrate_profile(args, preset, settings, profile, parser)
         print(f"wall time {time.perf_counter() - started:.1f} s", flush=True)

