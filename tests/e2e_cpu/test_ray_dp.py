@@ -9,10 +9,11 @@ gaps and JSON-mode requests (``harness.run_waves``), as the multiprocess test.
 
 It would fail on: a request that never finishes; actors not on two different Ray nodes; balance on without both
 actors running ``BalanceDPMoEEngineCoreActor`` and agreeing, or with a rank whose gate never closed, or one that
-admitted while it was closed (``gate_check``); balance off with anything balanced or gated; a node without the
-package that does not fail the start-up within the agreement bound, naming the rank; and any Ray or vLLM process
-left behind. vLLM kills its actors at shutdown (``ray.kill``), so the engines' stats line is lost: gated steps come
-from the gate-check lines the actors log while they run. Every wait is bounded.
+admitted while it was closed (``gate_check``); balance off with anything balanced or gated; a Ray node with another
+release of the package that is not refused by the start-up agreement on every rank (or, without the package, a
+head that does not fail at once); and any Ray or vLLM process left behind. vLLM kills its actors at shutdown
+(``ray.kill``), so the engines' stats line is mostly lost: gated steps come from the gate-check lines the actors log
+while they run. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -187,7 +189,7 @@ def test_ray_dp_waves(model_dir: Path, cluster: RayCluster, tmp_path: Path, bala
         model_dir,
         tmp_path / "serve.log",
         ray_serve_args(cluster, balance),
-        env={"RAY_ADDRESS": cluster.address, "RAY_DEDUP_LOGS": "0"},
+        extra_env={"RAY_ADDRESS": cluster.address, "RAY_DEDUP_LOGS": "0"},
     )
     with Watchdog(server, RUN_BOUND_S) as watchdog:
         try:
@@ -213,10 +215,9 @@ def test_ray_dp_waves(model_dir: Path, cluster: RayCluster, tmp_path: Path, bala
             a == {"class": "BalanceDPMoEEngineCoreActor", "agreement": "BalanceDPMoEEngineCoreActor"}
             for a in actors.values()
         ), f"not every actor is balanced and agreed: {actors}"
-        # The stats line, if vLLM let an actor log it before killing it; else the gate check's own count.
-        gated = {rank: s["gated_steps"] for rank, s in final_stats(log).items()} or {
-            rank: c["closed_steps"] for rank, c in checks.items()
-        }
+        # The gate check's count of closed steps, or the stats line where vLLM let an actor log it before killing it.
+        gated = {rank: c["closed_steps"] for rank, c in checks.items()}
+        gated.update({rank: s["gated_steps"] for rank, s in final_stats(log).items()})
         assert set(gated) == set(range(DP_SIZE)) and all(g > 0 for g in gated.values()), gated
         assert all(c["admitted_while_closed"] == 0 for c in checks.values()), checks
     else:
@@ -231,23 +232,17 @@ def test_ray_dp_waves(model_dir: Path, cluster: RayCluster, tmp_path: Path, bala
     )
 
 
-def test_a_node_without_the_package_fails_the_start_up_within_the_agreement_bound(
-    model_dir: Path, tmp_path: Path
-) -> None:
-    """The second Ray node's Python environment lacks the package (a ``vllm_ascend`` without it shadows the installed
-    one there): its actor cannot even be built, and the balanced rank on the head node waits for it only within the
-    agreement bound, then fails naming it; the head reports that error instead of hanging, and nothing is left."""
-    shadow = tmp_path / "node-without-the-package"
-    (shadow / "vllm_ascend").mkdir(parents=True)
-    (shadow / "vllm_ascend" / "__init__.py").write_text("")
+def _refused_start(model_dir: Path, workdir: Path, node_package: Path) -> tuple[str, float]:
+    """Balance on, the second Ray node's Python environment finding ``node_package`` first: the head's start-up
+    must fail (not hang) within the bound, leaving no process of the server and no actor in the cluster."""
     fake_forward = server_env()["PYTHONPATH"]
     started = time.monotonic()
-    with ray_cluster(tmp_path, second_node_pythonpath=f"{shadow}{os.pathsep}{fake_forward}") as cluster:
+    with ray_cluster(workdir, second_node_pythonpath=f"{node_package}{os.pathsep}{fake_forward}") as cluster:
         server = Server(
             model_dir,
-            tmp_path / "serve.log",
+            workdir / "serve.log",
             ray_serve_args(cluster, balance=True),
-            env={
+            extra_env={
                 "RAY_ADDRESS": cluster.address,
                 "RAY_DEDUP_LOGS": "0",
                 "VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S": str(AGREEMENT_BOUND_S),
@@ -261,14 +256,48 @@ def test_a_node_without_the_package_fails_the_start_up_within_the_agreement_boun
             raise AssertionError(f"the head still runs after {REFUSAL_BOUND_S:.0f} s (hung):\n{server.log_tail()}")
         finally:
             server.stop()
-        failed_s, log = time.monotonic() - started, server.log()
+        failed_s = time.monotonic() - started
         assert server.proc.returncode != 0 and not server.leftovers, (server.proc.returncode, server.leftovers)
-        assert (
-            f"DP rank 0 runs balance scheduling, but DP rank(s) [1] did not announce it within {AGREEMENT_BOUND_S} s"
-            in log
-        ), f"the head did not fail with the agreement error naming rank 1:\n{server.log_tail()}"
         deadline = time.monotonic() + 60  # Ray reaps the dead actors' workers
         while (left := cluster.actor_sessions()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"DP engine actors left in the cluster: {left}"
-    print(f"\n[ray dp e2e] node without the package: refused naming rank 1, head exited after {failed_s:.1f} s")
+    return server.log(), failed_s
+
+
+def _node_package(root: Path, other_code: bool) -> Path:
+    """A ``vllm_ascend`` package that shadows the installed one on a node: empty (the package is missing there), or
+    this package's three balance modules with the engine core's changed by one comment (another release of it)."""
+    installed = Path(sysconfig.get_paths()["purelib"]) / "vllm_ascend" / "core"
+    core = root / "vllm_ascend" / "core"
+    core.mkdir(parents=True)
+    (root / "vllm_ascend" / "__init__.py").write_text("")
+    if other_code:
+        (core / "__init__.py").write_text("")
+        for name in ("balance_scheduler.py", "balance_seam.py", "balance_engine_core.py"):
+            shutil.copy(installed / name, core / name)
+        with open(core / "balance_engine_core.py", "a") as module:
+            module.write("# another release of the balance scheduling package\n")
+    return root
+
+
+def test_a_node_with_other_balance_code_fails_the_agreement(model_dir: Path, tmp_path: Path) -> None:
+    """Both actors run balance scheduling, but the second node's package differs: every rank refuses at once, naming
+    the other rank and 'code', and the head's start-up fails with that error."""
+    log, failed_s = _refused_start(model_dir, tmp_path, _node_package(tmp_path / "node-package", other_code=True))
+    refusals = re.findall(
+        r"Balance scheduling: DP rank (\d) has \{[^}]*\}, but DP rank\(s\) differ: \{(\d): \{'code'", log
+    )
+    assert {rank for rank, _ in refusals} == {"0", "1"} and all(a != b for a, b in refusals), (
+        f"not every rank refused naming the other's code:\n{log[-6000:]}"
+    )
+    print(f"\n[ray dp e2e] node with other balance code: both ranks refused, head exited after {failed_s:.1f} s")
+
+
+def test_a_node_without_the_package_fails_the_start_up(model_dir: Path, tmp_path: Path) -> None:
+    """The second node lacks the package: Ray cannot build the actor there and says so (naming the module); the
+    head fails at once instead of hanging (the balanced rank, if it got as far, gives up within the agreement
+    bound)."""
+    log, failed_s = _refused_start(model_dir, tmp_path, _node_package(tmp_path / "node-package", other_code=False))
+    assert "failed to import on the worker" in log and "No module named 'vllm_ascend.core'" in log, log[-6000:]
+    print(f"\n[ray dp e2e] node without the package: actor import refused, head exited after {failed_s:.1f} s")
