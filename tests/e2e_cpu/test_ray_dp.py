@@ -299,5 +299,5 @@ def test_a_node_without_the_package_fails_the_start_up(model_dir: Path, tmp_path
     head fails at once instead of hanging (the balanced rank, if it got as far, gives up within the agreement
     bound)."""
     log, failed_s = _refused_start(model_dir, tmp_path, _node_package(tmp_path / "node-package", other_code=False))
-    assert "failed to import on the worker" in log and "No module named 'vllm_ascend.core'" in log, log[-6000:]
+    assert "failed to import on the worker" in log and "No module named 'vllm_ascend.core" in log, log[-6000:]
     print(f"\n[ray dp e2e] node without the package: actor import refused, head exited after {failed_s:.1f} s")
