@@ -149,9 +149,9 @@ def test_the_ray_launcher_imports_the_balanced_actor_only_when_on(
 
 
 def test_the_balanced_actor_pickles_by_reference_as_ray_ships_it() -> None:
-    """Ray exports an actor class with its cloudpickle, by reference when importable: every node imports this
-    package (as it imports vLLM), nothing of vLLM's actor is copied into the payload."""
-    from ray import cloudpickle
+    """Ray exports an actor class with cloudpickle (its vendored copy), by reference when importable: every node
+    imports this package (as it imports vLLM), nothing of vLLM's actor is copied into the payload."""
+    import cloudpickle  # a vLLM requirement; Ray vendors the same library
 
     from vllm_ascend.core.balance_engine_core import BalanceDPMoEEngineCoreActor
 
