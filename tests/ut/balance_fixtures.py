@@ -93,7 +93,7 @@ def balance_env_unset(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def vllm_restored() -> Iterator[None]:
     """Every test leaves vLLM as it found it: the wrapped config methods, the engine-core route and the
-    DP engine class, the wiring's recorded vLLM function, and the copying module's name."""
+    DP engine classes (process and Ray actor), the wiring's recorded vLLM function, and the copying module's name."""
     import vllm.v1.engine.core as engine_core_module
     from vllm.config import SchedulerConfig, VllmConfig
 
@@ -108,6 +108,7 @@ def vllm_restored() -> Iterator[None]:
             engine_core_module.EngineCoreProc.__dict__["run_engine_core"],
         ),
         (engine_core_module, "DPEngineCoreProc", engine_core_module.DPEngineCoreProc),
+        (engine_core_module, "DPMoEEngineCoreActor", engine_core_module.DPMoEEngineCoreActor),
         (wiring, "_vllm_run_engine_core", wiring._vllm_run_engine_core),
     ]
     copying_module = sys.modules.get(COPYING_MODULE)

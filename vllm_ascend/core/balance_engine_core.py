@@ -33,6 +33,10 @@ several nodes (or external load balancing) each rank decides alone, so before th
 publishes its settings in the DP group's key-value store and waits, bounded, for every other rank's: a rank that
 does not run balance scheduling never publishes (a collective would pair with its first ``all_reduce`` and hang
 exactly as a mismatch does), and a missing or different entry is a clear error on every balanced rank.
+
+The three overrides are one mixin over vLLM's own classes: the multiprocess ``DPEngineCoreProc``, and Ray's MoE DP
+engine actor ``DPMoEEngineCoreActor`` (a ``DPEngineCoreProc`` too, running the same busy loop), which Ray pickles by
+reference: every Ray node needs this package installed.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.logger import logger
-from vllm.v1.engine.core import DPEngineCoreProc
+from vllm.v1.engine.core import DPEngineCoreProc, DPMoEEngineCoreActor
 
 from vllm_ascend.core import balance_scheduler, balance_seam
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
@@ -55,11 +59,10 @@ AGREEMENT_TIMEOUT_ENV = "VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S"
 _AGREEMENT_KEY = "vllm_ascend_balance_scheduling/rank"
 
 
-class BalanceDPEngineCoreProc(DPEngineCoreProc):
-    """vLLM's ``DPEngineCoreProc`` plus one ``balance_gather`` per active loop iteration.
-
-    Constructor arguments are exactly ``DPEngineCoreProc``'s.
-    """
+class BalanceDPEngineMixin:
+    """One ``balance_gather`` per active loop iteration, the start-up agreement and the stats line, over a vLLM
+    class whose busy loop is ``DPEngineCoreProc``'s (``self.scheduler``, ``dp_rank``, ``dp_group``, ``dp_store`` are
+    that class's). Constructor arguments are exactly that class's."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Logged before construction so every engine-core process states which class it runs,
@@ -99,6 +102,14 @@ class BalanceDPEngineCoreProc(DPEngineCoreProc):
                 self.scheduler.balance_gated_steps,
             )
         super().shutdown()
+
+
+class BalanceDPEngineCoreProc(BalanceDPEngineMixin, DPEngineCoreProc):
+    """vLLM's multiprocess DP engine core, balanced."""
+
+
+class BalanceDPMoEEngineCoreActor(BalanceDPEngineMixin, DPMoEEngineCoreActor):
+    """vLLM's Ray MoE DP engine actor, balanced (the Ray route binds it where vLLM's launcher imports the actor)."""
 
 
 def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:

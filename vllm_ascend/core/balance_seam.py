@@ -45,6 +45,15 @@ engine-core launch is routed so the engine process builds the balanced class. Th
 2. ``EngineCoreProc.run_engine_core`` is a staticmethod that builds ``DPEngineCoreProc`` by its
    module-global name under a test on ``is_moe``;
 3. the launcher passes ``EngineCoreProc.run_engine_core`` as the engine-core process target.
+
+**Ray DP seam.** With ``data_parallel_backend="ray"`` vLLM's launcher starts the ranks as Ray actors, and the route
+binds the balanced actor where the launcher imports the class. That holds while (and 1. above):
+
+4. ``CoreEngineActorManager.__init__`` imports ``DPMoEEngineCoreActor`` from ``vllm.v1.engine.core`` inside its
+   body (at launch time, so it reads the module attribute the route rebinds);
+5. ``DPMoEEngineCoreActor`` has ``DPEngineCoreProc`` among its bases, and neither it nor ``EngineCoreActorMixin``
+   defines the busy loop or the three methods the balance mixin extends;
+6. ``EngineCoreActorMixin.run`` (the actor's entry) calls ``self.run_busy_loop()``.
 """
 
 from __future__ import annotations
@@ -255,7 +264,7 @@ def schedule_seam(scheduler_cls: type, skip: tuple[type, ...] = ()) -> ScheduleS
 _GATHER = "self._has_global_unfinished_reqs"
 _DP_CLASS = "DPEngineCoreProc"
 _LOOP = f"{_DP_CLASS}.run_busy_loop"
-_LAUNCH = "EngineCoreProc.run_engine_core"
+_LAUNCH, _ACTOR, _CORE = "EngineCoreProc.run_engine_core", "DPMoEEngineCoreActor", "vllm.v1.engine.core"
 
 
 def engine_seam_problems(core_source: str | None = None, launcher_source: str | None = None) -> list[str]:
@@ -300,10 +309,7 @@ def _busy_loop_problems(core: ast.Module) -> list[str]:
     body = loops[0].body
     plain = [i for i, stmt in enumerate(body) if getattr(stmt, "value", None) is sites[0]]
     if not plain:
-        return [
-            *problems,
-            f"{_LOOP}: {_GATHER} is not a plain statement of the loop body (may not run every iteration)",
-        ]
+        return [*problems, f"{_LOOP}: {_GATHER} is not a plain statement of the loop (may not run every iteration)"]
     if exits := [line for stmt in body[: plain[0]] for line in _exits_outside_idle_guard(stmt)]:
         problems.append(f"{_LOOP}: an iteration can skip {_GATHER} at lines {exits} without the all-ranks-idle test")
     return problems
@@ -320,6 +326,22 @@ def _launch_problems(core: ast.Module) -> list[str]:
     moe_branches = [n for n in ast.walk(launch) if isinstance(n, ast.If) and _mentions(n.test, "is_moe")]
     if not any(_calls(stmt, _DP_CLASS) for branch in moe_branches for stmt in branch.body):
         problems.append(f"{_LAUNCH} no longer builds {_DP_CLASS}(...) by its global name under a test on is_moe")
+    return problems
+
+
+def ray_seam_problems(core_source: str | None = None, launcher_source: str | None = None) -> list[str]:
+    """What in vLLM's Ray DP launcher and actor breaks the Ray DP seam (4-6 above; empty when sound); the route
+    checks 1-3 with ``engine_seam_problems`` too. Sources as there."""
+    core = ast.parse(core_source or inspect.getsource(importlib.import_module(_CORE)))
+    launcher = ast.parse(launcher_source or inspect.getsource(importlib.import_module("vllm.v1.engine.utils")))
+    launch = method_node(launcher, "CoreEngineActorManager", "__init__") or core  # core.py never imports itself
+    names = [a.name for n in ast.walk(launch) if isinstance(n, ast.ImportFrom) and n.module == _CORE for a in n.names]
+    bases = [ast.unparse(base) for n in core.body if getattr(n, "name", "") == _ACTOR for base in n.bases]
+    runs = [_calls(run, "self.run_busy_loop") for c in (_ACTOR, *bases) if (run := method_node(core, c, "run"))]
+    loops = [c for c in (_ACTOR, *bases) if method_node(core, c, "run_busy_loop")]  # [_DP_CLASS]: a base, alone
+    problems = [] if _ACTOR in names else [f"CoreEngineActorManager.__init__ no longer imports {_ACTOR} itself"]
+    if not (runs and runs[0] and loops == [_DP_CLASS]):
+        problems.append(f"{_ACTOR} no longer runs {_LOOP} (its bases, its run() or their busy loop changed)")
     return problems
 
 

@@ -221,7 +221,6 @@ def test_a_bad_agreement_timeout_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     "attribute, value, setting",
     [
-        ("data_parallel_backend", "ray", "data_parallel_backend='ray'"),
         ("distributed_executor_backend", "external_launcher", "distributed_executor_backend='external_launcher'"),
     ],
 )
@@ -252,14 +251,18 @@ def test_an_in_process_dp_engine_is_refused_when_the_config_is_built(
         ("config", "set by additional_config['enable_balance_scheduling']=True"),
     ],
 )
-def test_the_ray_refusal_names_the_switch_that_decided(
+def test_elastic_ep_is_refused_naming_the_setting_and_the_switch(
     balance_env_unset: None, tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch, switch: str, named: str
 ) -> None:
+    """Engine cores added at scale-up (multiprocess or Ray) would wait in vain for the running ranks' agreement."""
     if switch == "env":
         monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")
     additional = {"enable_balance_scheduling": True} if switch == "config" else None
     config = make_vllm_config(tiny_moe_model, dp_size=2, additional_config=additional)
-    config.parallel_config.data_parallel_backend = "ray"
+    config.parallel_config.enable_elastic_ep = True
     with pytest.raises(ValueError) as refused:
         decide(config)
-    assert named in str(refused.value) and "data_parallel_backend='ray'" in str(refused.value)
+    assert named in str(refused.value) and "enable_elastic_ep=True (--enable-elastic-ep)" in str(refused.value)
+    config.parallel_config.data_parallel_backend = "ray"  # the Ray launcher's scale-up path too
+    with pytest.raises(ValueError, match="enable_elastic_ep=True"):
+        decide(config)

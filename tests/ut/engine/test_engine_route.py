@@ -120,6 +120,55 @@ def test_a_foreign_run_engine_core_is_refused(balance_on: None, monkeypatch: pyt
         wiring.install_engine_route()
 
 
+# ---- the Ray DP route ---------------------------------------------------------------------------------------------
+
+
+def _post_init_with(config: Any, **parallel: Any) -> None:
+    """The deciding ``VllmConfig.__post_init__`` wrapper over an already built config (vLLM's own part skipped)."""
+    for name, value in parallel.items():
+        setattr(config.parallel_config, name, value)
+    wiring._deciding_post_init(lambda self: None)(config)
+
+
+@pytest.mark.parametrize("balance", [True, False], ids=["balance-on", "balance-off"])
+def test_the_ray_launcher_imports_the_balanced_actor_only_when_on(
+    balance_env_unset: None, tiny_moe_model: Path, balance: bool
+) -> None:
+    from vllm_ascend.core.balance_engine_core import BalanceDPMoEEngineCoreActor
+
+    stock = engine_core_module.DPMoEEngineCoreActor
+    config = make_vllm_config(tiny_moe_model, dp_size=2, additional_config={"enable_balance_scheduling": balance})
+    _post_init_with(config, data_parallel_backend="mp")
+    assert engine_core_module.DPMoEEngineCoreActor is stock  # the multiprocess backend: the actor is never used
+    _post_init_with(config, data_parallel_backend="ray")
+    # What CoreEngineActorManager.__init__'s function-local import now reads.
+    from vllm.v1.engine.core import DPMoEEngineCoreActor
+
+    assert DPMoEEngineCoreActor is (BalanceDPMoEEngineCoreActor if balance else stock)
+    assert route_installed() is balance
+
+
+def test_the_balanced_actor_pickles_by_reference_as_ray_ships_it() -> None:
+    """Ray exports an actor class with cloudpickle (its vendored copy), by reference when importable: every node
+    imports this package (as it imports vLLM), nothing of vLLM's actor is copied into the payload."""
+    import cloudpickle  # a vLLM requirement; Ray vendors the same library
+
+    from vllm_ascend.core.balance_engine_core import BalanceDPMoEEngineCoreActor
+
+    payload = cloudpickle.dumps(BalanceDPMoEEngineCoreActor)
+    assert b"vllm_ascend.core.balance_engine_core" in payload and b"BalanceDPMoEEngineCoreActor" in payload
+    assert len(payload) < 200 and cloudpickle.loads(payload) is BalanceDPMoEEngineCoreActor
+
+
+def test_a_moved_ray_seam_is_refused_naming_the_backend(balance_on: None, tiny_moe_model: Path, mocker: Any) -> None:
+    mocker.patch("vllm_ascend.core.balance_seam.ray_seam_problems", return_value=["the launcher moved"])
+    stock = engine_core_module.DPMoEEngineCoreActor
+    config = make_vllm_config(tiny_moe_model, dp_size=2)
+    with pytest.raises(RuntimeError, match=r"(?s)data_parallel_backend='ray'.*the launcher moved.*multiprocessing"):
+        _post_init_with(config, data_parallel_backend="ray")
+    assert engine_core_module.DPMoEEngineCoreActor is stock
+
+
 # ---- real engine-core child processes, started by vLLM's launcher with spawn ----------------
 
 

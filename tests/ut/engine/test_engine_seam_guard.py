@@ -34,11 +34,15 @@ from offline_vllm import build_scheduler, make_vllm_config
 from pytest_mock import MockerFixture
 from vllm.logger import logger
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+from vllm.v1.engine.core import DPEngineCoreProc, DPMoEEngineCoreActor, EngineCoreProc
 
-from vllm_ascend.core.balance_engine_core import BalanceDPEngineCoreProc
+from vllm_ascend.core.balance_engine_core import (
+    BalanceDPEngineCoreProc,
+    BalanceDPEngineMixin,
+    BalanceDPMoEEngineCoreActor,
+)
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
-from vllm_ascend.core.balance_seam import engine_seam_problems
+from vllm_ascend.core.balance_seam import engine_seam_problems, ray_seam_problems
 
 CORE = inspect.getsource(engine_core_module)
 LAUNCHER = inspect.getsource(engine_utils_module)
@@ -60,10 +64,14 @@ def test_installed_vllm_offers_every_engine_seam() -> None:
 
 
 def test_the_hook_extends_the_dp_set_up_and_the_gather_site_and_only_reports_at_shutdown() -> None:
-    own = {name for name in vars(BalanceDPEngineCoreProc) if not name.startswith("__")}
+    own = {name for name in vars(BalanceDPEngineMixin) if not name.startswith("__")}
     assert own == {"_init_data_parallel", "_has_global_unfinished_reqs", "shutdown"}
     assert list(inspect.signature(DPEngineCoreProc._init_data_parallel).parameters) == ["self", "vllm_config"]
-    assert BalanceDPEngineCoreProc.__bases__ == (DPEngineCoreProc,)
+    # One set of overrides over vLLM's own classes: the multiprocess engine core and Ray's MoE DP actor.
+    assert BalanceDPEngineCoreProc.__bases__ == (BalanceDPEngineMixin, DPEngineCoreProc)
+    assert BalanceDPMoEEngineCoreActor.__bases__ == (BalanceDPEngineMixin, DPMoEEngineCoreActor)
+    for balanced in (BalanceDPEngineCoreProc, BalanceDPMoEEngineCoreActor):
+        assert {name for name in vars(balanced) if not name.startswith("__")} == set()
     assert "_has_global_unfinished_reqs" in vars(DPEngineCoreProc)
     assert list(inspect.signature(DPEngineCoreProc._has_global_unfinished_reqs).parameters) == [
         "self",
@@ -163,3 +171,50 @@ def test_install_refuses_when_a_seam_moved(balance_on: None, monkeypatch: pytest
     with pytest.raises(RuntimeError, match="no longer offers the seam"):
         patch_balance_schedule.install_engine_route()
     assert EngineCoreProc.run_engine_core is not patch_balance_schedule.run_engine_core
+
+
+# ---- the Ray DP seam -------------------------------------------------------------------------------------------------
+
+ACTOR_CLASS_LINE = "class DPMoEEngineCoreActor(EngineCoreActorMixin, DPEngineCoreProc):"
+LOCAL_ACTOR_IMPORT = "        from vllm.v1.engine.core import DPMoEEngineCoreActor, EngineCoreActor\n"
+ACTOR_RUN_CALL = "            self.run_busy_loop()  # type: ignore[attr-defined]"
+
+
+def ray_problems_with(core: str = CORE, launcher: str = LAUNCHER) -> list[str]:
+    return ray_seam_problems(core_source=core, launcher_source=launcher)
+
+
+def test_installed_vllm_offers_the_ray_dp_seam() -> None:
+    assert ray_seam_problems() == []
+    # The launcher's first function-local import is CoreEngineActorManager.__init__'s (the scale-up path repeats it;
+    # elastic EP is refused with balance on).
+    init = inspect.getsource(engine_utils_module.CoreEngineActorManager.__init__)
+    assert LOCAL_ACTOR_IMPORT in init and LAUNCHER.count(LOCAL_ACTOR_IMPORT) >= 1
+
+
+def test_ray_seam_detects_the_actor_import_moved_to_module_level() -> None:
+    assert LOCAL_ACTOR_IMPORT in LAUNCHER
+    launcher = LOCAL_ACTOR_IMPORT.strip() + "\n" + LAUNCHER.replace(LOCAL_ACTOR_IMPORT, "        pass\n", 1)
+    assert any("no longer imports DPMoEEngineCoreActor itself" in p for p in ray_problems_with(launcher=launcher))
+
+
+def test_ray_seam_detects_the_launcher_gone() -> None:
+    launcher = replaced(LAUNCHER, "class CoreEngineActorManager:", "class RayEngineLauncher:")
+    assert any("CoreEngineActorManager.__init__ no longer imports" in p for p in ray_problems_with(launcher=launcher))
+
+
+def test_ray_seam_detects_an_actor_without_the_dp_engine_core_base() -> None:
+    core = replaced(CORE, ACTOR_CLASS_LINE, "class DPMoEEngineCoreActor(EngineCoreActorMixin, EngineCoreProc):")
+    assert any("no longer runs DPEngineCoreProc.run_busy_loop" in p for p in ray_problems_with(core))
+
+
+def test_ray_seam_detects_an_actor_with_a_busy_loop_of_its_own() -> None:
+    core = replaced(CORE, ACTOR_CLASS_LINE, ACTOR_CLASS_LINE + "\n    def run_busy_loop(self):\n        pass\n")
+    assert any("no longer runs DPEngineCoreProc.run_busy_loop" in p for p in ray_problems_with(core))
+
+
+def test_ray_seam_detects_a_run_that_no_longer_calls_the_busy_loop() -> None:
+    core = replaced(CORE, ACTOR_CLASS_LINE, ACTOR_CLASS_LINE.replace("Actor(", "Actor(Exception, ", 1))
+    assert ray_problems_with(core) == []  # another base, same loop: still sound
+    core = replaced(CORE, ACTOR_RUN_CALL, "            self.run_until_idle()")
+    assert any("no longer runs DPEngineCoreProc.run_busy_loop" in p for p in ray_problems_with(core))

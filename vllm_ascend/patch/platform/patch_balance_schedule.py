@@ -42,6 +42,12 @@ time, so the front-end replaces that staticmethod with ``run_engine_core`` of th
 spawned child unpickles it by reference; a forked child inherits it). In the engine process it
 rebinds the module global to ``BalanceDPEngineCoreProc`` and calls vLLM's own ``run_engine_core``,
 which still decides MoE DP vs dense DP vs DP 1.
+
+**The Ray route.** With ``data_parallel_backend="ray"`` vLLM's ``CoreEngineActorManager`` starts every DP rank as a
+Ray actor, importing ``DPMoEEngineCoreActor`` from ``vllm.v1.engine.core`` inside the function, at launch time. The
+front-end binds that module attribute to ``BalanceDPMoEEngineCoreActor`` (vLLM's actor with the balance mixin);
+Ray pickles it by reference, so every Ray node imports it from this package. Elastic EP is refused: ranks added at
+scale-up would join a group whose running ranks never run the start-up agreement again.
 """
 
 from __future__ import annotations
@@ -153,13 +159,12 @@ def recorded_decision(scheduler_config: SchedulerConfig, log: bool = True) -> bo
 
 
 def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
-    """What balance scheduling cannot serve. The gather runs in vLLM's multiprocess DP engine cores only: Ray's DP
-    engine actors are bound at import time, beyond the route's reach, and an in-process engine is no DP engine
-    core, so the gate could never close. A PD-disaggregated instance does not run the mixed prefill+decode lockstep
+    """What balance scheduling cannot serve. The gather runs in vLLM's DP engine cores (processes or Ray actors):
+    an in-process engine is no DP engine core, so the gate could never close; ranks added by elastic EP would wait
+    in vain for the running ranks' agreement. A PD-disaggregated instance does not run the mixed prefill+decode lockstep
     the gate is for (upstream refuses it too)."""
     parallel = vllm_config.parallel_config
     no_gather = {
-        "data_parallel_backend='ray'": parallel.data_parallel_backend == "ray",
         "distributed_executor_backend='external_launcher'": parallel.distributed_executor_backend
         == "external_launcher",
         "VLLM_ENABLE_V1_MULTIPROCESSING=0": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
@@ -168,8 +173,14 @@ def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
     if unsupported and parallel.data_parallel_size > 1:
         raise ValueError(
             f"Balance scheduling ({source}) does not support {unsupported[0]} with data parallelism: the per-step "
-            "gather runs only in vLLM's multiprocess DP engine cores, so the gate could never close. Use the "
-            f"default multiprocessing DP engines or {SWITCHES_OFF}."
+            "gather runs only in vLLM's DP engine cores, so the gate could never close. Use the default "
+            f"multiprocessing DP engines or {SWITCHES_OFF}."
+        )
+    if getattr(parallel, "enable_elastic_ep", False):
+        raise ValueError(
+            f"Balance scheduling ({source}) does not support enable_elastic_ep=True (--enable-elastic-ep): engine "
+            "cores added at scale-up would wait in vain for the running ranks' start-up agreement. Disable elastic "
+            f"EP or {SWITCHES_OFF}."
         )
     kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None)
     if vllm_config.kv_transfer_config is not None and kv_role != "kv_both":
@@ -222,6 +233,8 @@ def _deciding_post_init(original: Callable[..., None]) -> Callable[..., None]:
         original(self, *args, **kwargs)
         if decide(self):
             install_engine_route()
+            if self.parallel_config.data_parallel_backend == "ray":
+                install_ray_route()
 
     return __post_init__
 
@@ -245,6 +258,21 @@ def install_engine_route() -> None:
         )
     _vllm_run_engine_core = vllm_run_engine_core()
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
+
+
+def install_ray_route() -> None:
+    """Front-end side, Ray DP backend: vLLM's actor launcher builds the balanced actor (idempotent)."""
+    from vllm_ascend.core.balance_engine_core import BalanceDPMoEEngineCoreActor
+    from vllm_ascend.core.balance_seam import ray_seam_problems, refusal
+
+    if problems := ray_seam_problems():
+        raise refusal(
+            "Balance scheduling is on with data_parallel_backend='ray', but the installed vLLM's Ray DP engine "
+            "actors no longer offer the seam the balance gather relies on",
+            problems,
+            f"Use the multiprocessing DP backend (the default) or {SWITCHES_OFF}.",
+        )
+    engine_core_module.DPMoEEngineCoreActor = BalanceDPMoEEngineCoreActor
 
 
 def run_engine_core(*args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,9 @@ run the way they run on an accelerator:
   TP = PP = 1), so a DP=2 server is the API server, the DP coordinator and two engine cores;
 * asynchronous scheduling keeps vLLM's own decision (``CpuPlatform`` turns it off because CPU
   kernels gain nothing from it; vLLM's default elsewhere, and on Ascend, is on).
+
+For Ray DP (``--data-parallel-backend ray``) the Ray resource a rank's devices are counted in is
+``CPU`` (vLLM's ``CpuPlatform`` names none, so its launcher would find no device in the cluster).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ WORKER_QUALNAME = "balance_fake_forward.worker.FakeForwardWorker"
 
 
 class FakeForwardPlatform(CpuPlatform):
+    ray_device_key = "CPU"
+
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         async_scheduling = vllm_config.scheduler_config.async_scheduling
