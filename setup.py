@@ -6,7 +6,8 @@ series. Installed with pip it must not overwrite any file of the vllm-ascend dis
 ``__init__.py`` of vllm-ascend's is shipped or replaced), and ``vllm_ascend/patch/platform/``, whose
 ``patch_balance_schedule.py`` would replace vllm-ascend's own module there, is installed as the package
 ``vllm_ascend_balance``. The ``vllm.general_plugins`` entry point is its ``patch_balance_coexist.register``,
-which vLLM calls in every process before it resolves the scheduler class. Uninstalling removes all of it.
+which vLLM calls in every process before it resolves the scheduler class; the ``vllm.stat_logger_plugins`` entry
+point (same name) is the gate's metrics logger, ``vllm_ascend.core.balance_metrics``. Uninstalling removes all of it.
 """
 
 from setuptools import setup
@@ -24,6 +25,10 @@ setup(
     entry_points={
         "vllm.general_plugins": [
             "ascend_balance_scheduling = vllm_ascend_balance.patch_balance_coexist:register",
+        ],
+        # The gate on /metrics; the same name, so a VLLM_PLUGINS that admits the plugin admits its metrics too.
+        "vllm.stat_logger_plugins": [
+            "ascend_balance_scheduling = vllm_ascend.core.balance_metrics:BalanceStatLogger",
         ],
     },
 )

@@ -10,6 +10,10 @@ While a burst runs, a sender thread waits until the server reports requests runn
 (``response_format`` ``json_schema``), so they queue behind, and are scheduled among, the random
 requests. Between bursts the client waits for the server to report nothing running or waiting,
 then stays idle for the gap, so every burst starts a new DP wave.
+
+From the first burst to the end a sampler thread scrapes ``/metrics`` every ``SAMPLE_S``, keeping the balance
+gate's metrics and vLLM's request gauges per engine (``series`` in the output: the test checks the counters move
+during the run, ``scripts/plot_gate_metrics.py`` draws them).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.05
+SAMPLE_S = 0.5
+SAMPLED = ("vllm:balance_", "vllm:num_requests_running", "vllm:num_requests_waiting")
 BENCH_KEYS = (
     "completed",
     "failed",
@@ -43,6 +49,33 @@ def metric_sum(base_url: str, name: str) -> float:
         for line in text.splitlines()
         if line.startswith(name + "{") or line.startswith(name + " ")
     )
+
+
+def sampled_values(text: str) -> dict[str, dict[str, float]]:
+    """``{sample name: {engine: value}}`` of the SAMPLED metrics in one /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(SAMPLED) and not sample.name.endswith("_created"):
+                values.setdefault(sample.name, {})[sample.labels.get("engine", "")] = sample.value
+    return values
+
+
+class Sampler(threading.Thread):
+    """Scrapes /metrics every SAMPLE_S until stopped: ``series`` is a list of ``{"t": s, "values": ...}``."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.series, self.stopped = base_url, [], threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.stopped.wait(SAMPLE_S):
+            with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            self.series.append({"t": round(time.monotonic() - started, 3), "values": sampled_values(text)})
 
 
 def chat_json(base_url: str, model: str, schema: dict[str, Any], index: int, timeout: float) -> dict[str, Any]:
@@ -145,7 +178,9 @@ def main(plan_path: str, out_path: str) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     plan = json.loads(Path(plan_path).read_text())
-    out: dict[str, Any] = {"bench": [], "json": [], "json_errors": [], "running_when_sent": []}
+    out: dict[str, Any] = {"bench": [], "json": [], "json_errors": [], "running_when_sent": [], "series": []}
+    sampler = Sampler(plan["base_url"])
+    sampler.start()
     for number, wave in enumerate(plan["waves"]):
         if number:
             wait_drained(plan["base_url"], plan["timeout_s"])
@@ -160,7 +195,13 @@ def main(plan_path: str, out_path: str) -> None:
         out["json"] += sender.answers
         out["json_errors"] += sender.errors
         out["running_when_sent"].append(sender.running_when_sent)
+        out["series"] = list(sampler.series)
         Path(out_path).write_text(json.dumps(out, indent=1))
+    wait_drained(plan["base_url"], plan["timeout_s"])
+    sampler.stopped.set()
+    sampler.join(30)
+    out["series"] = sampler.series
+    Path(out_path).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

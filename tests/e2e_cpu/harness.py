@@ -296,6 +296,41 @@ def json_request(server: Server, index: int, timeout: float = REQUEST_TIMEOUT_S)
     return chat_json(server.base_url, str(server.model), CITY_SCHEMA, index, timeout)
 
 
+# ---- /metrics ------------------------------------------------------------------------------------------
+BALANCE_METRIC = "vllm:balance_"
+SETTLE_S, SETTLE_BOUND_S = 1.0, 60.0
+
+
+def scrape(server: Server) -> str:
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def balance_values(text: str) -> dict[str, dict[int, float]]:
+    """``{sample name: {engine: value}}`` of the balance metrics, parsed with prometheus_client's parser (which
+    raises on a malformed exposition)."""
+    from drive_waves import sampled_values
+
+    return {
+        name: {int(engine): value for engine, value in per_engine.items()}
+        for name, per_engine in sampled_values(text).items()
+        if name.startswith(BALANCE_METRIC)
+    }
+
+
+def settled_scrape(server: Server) -> str:
+    """A scrape once the balance metrics stopped moving (the front-end records each engine's last stats
+    asynchronously); bounded."""
+    deadline, previous = time.monotonic() + SETTLE_BOUND_S, None
+    while True:
+        text = scrape(server)
+        current = balance_values(text)
+        if current == previous or time.monotonic() > deadline:
+            return text
+        previous = current
+        time.sleep(SETTLE_S)
+
+
 # ---- what the engines logged ---------------------------------------------------------------------
 def final_stats(log: str) -> dict[int, dict[str, int]]:
     """The last ``Balance scheduling stats`` line of each DP rank (the one logged at shutdown)."""

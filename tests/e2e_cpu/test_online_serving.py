@@ -15,12 +15,24 @@ stuck in ``WAITING_FOR_FSM``), a gate that never closes with balance on (gated s
 from the engines' ``Balance scheduling stats`` line at shutdown), a rank admitting while the gate
 is closed (``gate_check`` instrumentation), a config switch that does not reach the engines
 (balance on must run ``BalanceDPEngineCoreProc`` on both ranks, off must not), and any process
-left behind. Every wait is bounded; a watchdog kills the server tree if a run exceeds its bound.
+left behind.
+
+``/metrics`` is checked in the same runs (no server of its own): scraped during the bursts (``drive_waves``'s
+sampler) and after them, parsed with prometheus_client's parser. With balance on (two API servers, so vLLM's
+multiprocess collector serves the sum of both) the gate's counters move during the run and, per engine, equal the
+engines' own shutdown stats line within ``METRICS_BOUND_STEPS``; every query of the Grafana dashboard names a metric
+of the scrape. With balance off no ``vllm:balance_`` metric exists. ``BALANCE_E2E_ARTIFACTS=<dir>`` keeps the scrape
+and the sampled series there (docs/metrics.md's sample and plot come from such a run).
+
+Every wait is bounded; a watchdog kills the server tree if a run exceeds its bound.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -33,13 +45,16 @@ from harness import (
     Server,
     Watchdog,
     Wave,
+    balance_values,
     final_stats,
     free_port,
     gate_checks,
     gate_violations,
     json_request,
     run_waves,
+    settled_scrape,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from tiny_model import write_tiny_moe_model
 
 DP_SIZE = 2
@@ -58,7 +73,13 @@ ENGINE_ARGS = [
     "--shutdown-timeout",
     "30",
 ]
-SERVE_ARGS = ["--data-parallel-size", str(DP_SIZE), "--api-server-count", "1", *ENGINE_ARGS]
+SERVE_ARGS = ["--data-parallel-size", str(DP_SIZE), *ENGINE_ARGS]
+# Balance on runs two API servers: its metrics must add up across them (vLLM's multiprocess collector).
+API_SERVERS = {False: "1", True: "2"}
+# The scrape after the run against each engine's shutdown line: equal but for steps whose stats never left the
+# engine (a last schedule() after the final stats message), at most this many per engine.
+METRICS_BOUND_STEPS = 2
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-balance-scheduling.json"
 # Concurrency 12 > DP x max_num_seqs = 8: with balance on the gate must close in every burst.
 WAVES = [Wave(), Wave(num_prompts=24, max_concurrency=10), Wave()]
 IDLE_GAP_S = 3.0
@@ -72,27 +93,62 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_moe_model(tmp_path_factory.mktemp("tiny-moe"))
 
 
-def _serve_waves(model: Path, workdir: Path, balance: bool) -> tuple[Server, dict, float]:
-    server = Server(model, workdir / "serve.log", SERVE_ARGS + (BALANCE_ON if balance else []))
+def _serve_waves(model: Path, workdir: Path, balance: bool) -> tuple[Server, dict, float, str]:
+    args = SERVE_ARGS + ["--api-server-count", API_SERVERS[balance]] + (BALANCE_ON if balance else [])
+    server = Server(model, workdir / "serve.log", args)
     started = time.monotonic()
     with Watchdog(server, RUN_BOUND_S) as watchdog:
         try:
             with server:
                 client = run_waves(server, WAVES, IDLE_GAP_S, MIN_RUNNING, workdir)
+                metrics = settled_scrape(server)
         except Exception as error:
             if watchdog.fired:
                 raise AssertionError(
                     f"run exceeded {RUN_BOUND_S:.0f} s and was killed; log tail:\n{server.log_tail()}"
                 ) from error
             raise
-    return server, client, time.monotonic() - started
+    return server, client, time.monotonic() - started, metrics
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric name the Grafana dashboard's queries use."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return {name for p in panels for t in p.get("targets", []) for name in re.findall(r"vllm:[a-z_:]+", t["expr"])}
+
+
+def check_metrics(metrics: str, client: dict, stats: dict[int, dict[str, int]], balance: bool) -> dict[int, dict]:
+    """The /metrics checks of one run (see the module docstring); returns the final balance values per engine."""
+    final = balance_values(metrics)  # parses the whole exposition: raises if malformed
+    if not balance:
+        assert final == {} and "vllm:balance_" not in metrics, f"balance off, yet balance metrics: {final}"
+        return {}
+    per_engine = {e: {n.removeprefix("vllm:balance_"): v[e] for n, v in final.items()} for e in range(DP_SIZE)}
+    for engine, logged in stats.items():
+        seen = per_engine[engine]
+        for metric, key in (("steps_total", "engine_steps"), ("gated_steps_total", "gated_steps")):
+            assert 0 <= logged[key] - seen[metric] <= METRICS_BOUND_STEPS, (engine, metric, seen, logged)
+        assert 0 < seen["waiting_gated_steps_total"] <= seen["gated_steps_total"], seen
+        assert seen["gate_rule"] == 0, seen
+    # During the run: the gated-steps counter of every engine took at least 3 distinct values while sampled.
+    for engine in range(DP_SIZE):
+        moving = {s["values"].get("vllm:balance_gated_steps_total", {}).get(str(engine)) for s in client["series"]}
+        assert len(moving - {None}) >= 3, f"engine {engine}: gated steps did not move during the run"
+    names = {s.name for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert not dashboard_metric_names() - names, f"dashboard metrics not scraped: {dashboard_metric_names() - names}"
+    return per_engine
 
 
 @pytest.mark.parametrize("balance", [False, True], ids=["balance-off", "balance-on"])
 def test_online_waves(model_dir: Path, tmp_path: Path, balance: bool) -> None:
-    server, client, wall_s = _serve_waves(model_dir, tmp_path, balance)
+    server, client, wall_s, metrics = _serve_waves(model_dir, tmp_path, balance)
     log = server.log()
     label = "on" if balance else "off"
+    if artifacts := os.environ.get("BALANCE_E2E_ARTIFACTS"):
+        version = importlib.metadata.version("vllm")
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        (Path(artifacts) / f"scrape-balance-{label}-v{version}.txt").write_text(metrics)
+        (Path(artifacts) / f"series-balance-{label}-v{version}.json").write_text(json.dumps(client["series"]))
 
     assert not server.leftovers, f"processes left after stopping the server: {server.leftovers}"
     assert len(client["bench"]) == len(WAVES)
@@ -126,6 +182,7 @@ def test_online_waves(model_dir: Path, tmp_path: Path, balance: bool) -> None:
             "balance off, yet a balanced scheduler or engine core was built"
         )
         assert stats == {} and checks == {}, "balance off, yet some rank gated a step"
+    scraped = check_metrics(metrics, client, stats, balance)
 
     requests = sum(w.num_prompts + w.json_requests for w in WAVES)
     per_rank = (
@@ -135,7 +192,14 @@ def test_online_waves(model_dir: Path, tmp_path: Path, balance: bool) -> None:
     print(
         f"\n[online e2e] balance {label}: start-up {server.startup_s:.1f} s, {requests} "
         f"requests in {len(WAVES)} waves all completed ({len(answers)} JSON-mode), {per_rank}; "
-        f"run {wall_s:.1f} s"
+        f"run {wall_s:.1f} s; /metrics: {len(client['series'])} scrapes during the run, after it "
+        + (
+            ", ".join(
+                f"engine {e}: {int(v['gated_steps_total'])} gated of {int(v['steps_total'])}"
+                for e, v in scraped.items()
+            )
+            or "no balance metrics"
+        )
     )
 
 

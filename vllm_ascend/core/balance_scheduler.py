@@ -50,8 +50,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import SchedulerStats
 
 from vllm_ascend.core.balance_seam import CAP_COUNTS, refusal, schedule_seam
+
+# The gate's counts ride to the front-end (balance_metrics) under this key prefix in SchedulerStats'
+# running_lora_adapters: a dict[str, int] that vLLM's typed message carries and, without LoRA, nothing else reads.
+STATS_PREFIX = "vllm_ascend_balance:"
 
 
 class BalanceSchedulingMixin:
@@ -61,6 +66,8 @@ class BalanceSchedulingMixin:
     arguments of the class it is mixed into and forwards them untouched.
     """
 
+    # The hook for "which gate rule is in force" (vllm:balance_gate_rule): 0 is "cap" (balance_gate_threshold below).
+    balance_gate_rule = 0
     # Provided by vLLM's Scheduler.
     vllm_config: VllmConfig
     running: list[Any]
@@ -87,6 +94,8 @@ class BalanceSchedulingMixin:
         self.balance_queue: list[torch.Tensor] = list(self._balance_counts.split(1))
         self.balance_steps = 0
         self.balance_gated_steps = 0
+        # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
+        self.balance_waiting_gated_steps, self._balance_sent = 0, (0, 0, 0)
         if dp_size == 1:
             # Also each engine of a dense model: vLLM runs its DP ranks as independent engines.
             logger.warning_once(
@@ -125,6 +134,7 @@ class BalanceSchedulingMixin:
         if self._pause_state != PauseState.UNPAUSED or not self.balance_gate_closed():
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.balance_gated_steps += 1
+        self.balance_waiting_gated_steps += self.get_request_counts()[1] > 0
         # Set directly: set_pause_state is the public "real pause" API (and logs in newer vLLM).
         self._pause_state = PauseState.PAUSED_NEW
         cap = self._balance_cap.attribute if self._balance_cap.held_at_zero else None
@@ -138,6 +148,19 @@ class BalanceSchedulingMixin:
                 setattr(self, cap, cap_value)
             if self._pause_state == PauseState.PAUSED_NEW:
                 self._pause_state = PauseState.UNPAUSED
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+        """vLLM's stats, plus the gate's counts since the previous stats (each stats reaches exactly one front-end),
+        its state for the next step and the rule in force (``balance_metrics`` reads them)."""
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        if stats is not None:
+            now = (self.balance_steps, self.balance_gated_steps, self.balance_waiting_gated_steps)
+            values = [n - sent for n, sent in zip(now, self._balance_sent)]
+            values += [int(self.balance_gate_closed()), self.balance_gate_rule]  # int: a bool would not decode
+            keys = ("steps", "gated_steps", "waiting_gated_steps", "gate_closed", "gate_rule")
+            stats.running_lora_adapters.update(zip((STATS_PREFIX + key for key in keys), values))
+            self._balance_sent = now
+        return stats
 
 
 class BalanceScheduler(BalanceSchedulingMixin, Scheduler):
