@@ -209,7 +209,9 @@ def test_ray_seam_detects_an_actor_without_the_dp_engine_core_base() -> None:
 
 
 def test_ray_seam_detects_an_actor_with_a_busy_loop_of_its_own() -> None:
-    core = replaced(CORE, ACTOR_CLASS_LINE, ACTOR_CLASS_LINE + "\n    def run_busy_loop(self):\n        pass\n")
+    # The actor gains a method of the busy loop's name (an override, written out here as altered source).
+    loop_name = "run_busy_loop"
+    core = replaced(CORE, ACTOR_CLASS_LINE, f"{ACTOR_CLASS_LINE}\n    def {loop_name}(self):\n        pass\n")
     assert any("no longer runs DPEngineCoreProc.run_busy_loop" in p for p in ray_problems_with(core))
 
 
