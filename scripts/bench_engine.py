@@ -36,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "e2e_cpu"), str(ROOT / "scripts")]
 
-from harness import BALANCE_ON, REAL_FORWARD_PLUGINS, Server  # noqa: E402
+from harness import REAL_FORWARD_PLUGINS, Server  # noqa: E402
 from tiny_model import real_moe_model  # noqa: E402
 
 DP_SIZE = 2
@@ -71,14 +71,16 @@ REGIMES = {
 
 
 def arm_args(arm: str) -> list[str]:
+    """``balance``: balance scheduling with the default gate rule; ``cap``: with upstream's rule."""
     args: list[str] = []
     for part in arm.split("+"):
-        if part == "balance":
-            args += BALANCE_ON
+        if part in ("balance", "cap"):
+            config = {"enable_balance_scheduling": True, **({"balance_gate_rule": "cap"} if part == "cap" else {})}
+            args += ["--additional-config", json.dumps({"scheduler_config": config})]
         elif part.startswith("interval"):
             args += ["--prefill-schedule-interval", part.removeprefix("interval")]
         elif part != "off":
-            raise SystemExit(f"bench_engine: unknown arm {arm!r} (off, balance, intervalN, balance+intervalN)")
+            raise SystemExit(f"bench_engine: unknown arm {arm!r} (off, balance, cap, intervalN, balance+intervalN)")
     return args
 
 
@@ -215,7 +217,7 @@ def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, 
 def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]) -> list[dict[str, Any]]:
     rows = []
     for regime in regimes:
-        base = None
+        base, base_runs = None, None
         for arm in arms:
             mine = [r for r in runs if r["arm"] == arm and r["regime"] == regime.name]
             if not mine:
@@ -229,8 +231,13 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
                 for key in ("steps", "gated_steps", "admission_steps", "prefill_steps", "idle_slots_gated",
                             "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill")
             }  # fmt: skip
-            base = base or row
+            base, base_runs = base or row, base_runs or mine
             row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
+            # The median over repetitions of arm / first arm within the same repetition (interleaved pairs).
+            first = {r["rep"]: r for r in base_runs}
+            row["paired"] = {
+                m: statistics.median(r[m] / first[r["rep"]][m] - 1 for r in mine if r["rep"] in first) for m in METRICS
+            }
             rows.append(row)
     return rows
 
@@ -243,7 +250,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         cells = []
         for metric in METRICS:
             m = row[metric]
-            cells.append(f"{m['median']:7.1f} [{m['min']:.0f}-{m['max']:.0f}] {row['change'][metric]:+5.1%}")
+            cells.append(f"{m['median']:7.1f} [{m['min']:.0f}-{m['max']:.0f}] {row['paired'][metric]:+5.1%}")
         e = row["engine"]
         print(
             f"{row['regime']:<17} {row['arm']:>18} " + " ".join(f"{c:>22}" for c in cells)

@@ -77,6 +77,7 @@ def run_soak(
     ``stall_rank`` (for the watchdog's test): a rank that never joins, so the run hangs by construction.
     """
     os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
+    os.environ.setdefault("VLLM_ASCEND_BALANCE_GATE_RULE", "cap")  # the gate closes from the counts alone
     os.environ.setdefault("VLLM_PLUGINS", "ascend_balance_scheduling")
     os.environ["HF_HUB_OFFLINE"] = "1"
     import multiprocessing

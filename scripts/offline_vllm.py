@@ -258,14 +258,14 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
 
 
 def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:
-    """What ``balance_gather`` leaves on every rank: ``counts`` (by default each scheduler's
-    ``balance_count()``, in rank order) in every scheduler's ``balance_queue``, written in place."""
-    if counts is None:
-        counts = [scheduler.balance_count() for scheduler in schedulers]
+    """What ``balance_gather``'s all-gather leaves on every rank, then the gate's decision (``balance_update``):
+    every scheduler's ``balance_row()`` in rank order, or, given ``counts``, those counts with nothing else to
+    report (no waiting request, no finished step), written in place."""
+    rows = [s.balance_row() for s in schedulers] if counts is None else [[c] + [0] * 3 for c in counts]
     for scheduler in schedulers:
-        assert len(counts) == len(scheduler.balance_queue), (counts, len(scheduler.balance_queue))
-        for slot, count in zip(scheduler.balance_queue, counts):
-            slot.fill_(count)
+        assert len(rows) == len(scheduler.balance_queue), (rows, len(scheduler.balance_queue))
+        scheduler._balance_rows.copy_(torch.tensor(rows, dtype=torch.int32))
+        scheduler.balance_update()
 
 
 def step(scheduler: Any) -> tuple[Any, Any]:

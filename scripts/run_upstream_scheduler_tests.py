@@ -104,6 +104,7 @@ import types
 from pathlib import Path
 
 os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
+os.environ.setdefault("VLLM_ASCEND_BALANCE_GATE_RULE", "cap")  # the gate closes from the counts alone
 import vllm.config  # noqa: F401  (transformers probes torch_npu with find_spec while importing)
 import vllm.v1.core.sched.scheduler as scheduler_module
 
@@ -182,7 +183,9 @@ def fetch_sdist(version: str) -> Path:
             if hashlib.sha256(data).hexdigest() != fragment.split("=", 1)[1]:
                 raise SystemExit(f"hash mismatch for {wanted}")
         CACHE.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.part")  # CI runs two of these at once: atomic
+        partial.write_bytes(data)
+        os.replace(partial, target)
         return target
     raise SystemExit(f"{wanted} not found in the package index {index}")
 

@@ -119,7 +119,7 @@ class AdmitKVHoldingAsyncScheduler(_AdmitKVHoldingGate, BalanceAsyncScheduler):
     """``BalanceAsyncScheduler`` with the ``admit-kv-holding`` gate (simulator only)."""
 
 
-def scheduler_class(balance: bool, async_scheduling: bool, gate: str = "cap") -> type:
+def scheduler_class(balance: bool, async_scheduling: bool, gate: str = "adaptive") -> type:
     """The scheduler class of every rank: the one place a policy becomes a class."""
     if gate not in GATES:
         raise ValueError(f"unknown gate rule {gate!r}; choose one of {', '.join(GATES)}")
@@ -172,7 +172,7 @@ class LockstepCluster:
         max_num_batched_tokens: int,
         max_model_len: int,
         balance: bool,
-        gate: str = "cap",
+        gate: str = "adaptive",
         async_scheduling: bool = False,
         num_speculative_tokens: int = 0,
         prefill_schedule_interval: int = 1,
@@ -204,9 +204,14 @@ class LockstepCluster:
             num_blocks=(max_num_seqs + kv_holding_requests) * blocks_per_request + 1,
             speculative_config=speculative,
             **({"kv_transfer_config": async_kv_transfer_config()} if remote_kv_delay_steps else {}),
+            additional_config={"scheduler_config": {"balance_gate_rule": "adaptive" if gate == "adaptive" else "cap"}},
         )
         self.scheduler_cls = scheduler_class(balance, async_scheduling, gate)
         self.schedulers: list[Any] = build_schedulers(self.scheduler_cls, config, dp_size)
+        # The simulated clock (the run sets it): what the adaptive gate rule times steps with.
+        self.now = 0.0
+        for scheduler in self.schedulers if balance else ():
+            scheduler.balance_clock = lambda: self.now
         self.balance = balance
         self.async_scheduling = async_scheduling
         self.num_speculative_tokens = num_speculative_tokens

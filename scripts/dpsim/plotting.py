@@ -24,6 +24,7 @@ from dpsim.settings import Arm  # noqa: E402
 COLORS = {
     "off": "tab:red",
     "on": "tab:blue",
+    "on-cap": "tab:cyan",
     "interval-2": "tab:green",
     "interval-4": "tab:olive",
     "on+interval-2": "tab:purple",

@@ -16,9 +16,10 @@ from dpsim.router import ROUTERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES_DIR = REPO_ROOT / "profiles"
-# "admit-kv-holding": the product's gate without holding the cap at 0, i.e. vLLM's own PAUSED_NEW on
-# vLLM >= 0.32 (requests holding KV are admitted under the gate, up to the cap). Simulator only.
-GATES = ("cap", "cap-1", "admit-kv-holding")
+# "adaptive" and "cap": the product's rules (balance_rule). "cap-1" and "admit-kv-holding" (simulator only) vary
+# the cap rule: "admit-kv-holding" is the gate without holding the cap at 0, i.e. vLLM's own PAUSED_NEW on
+# vLLM >= 0.32 (requests holding KV are admitted under the gate, up to the cap).
+GATES = ("adaptive", "cap", "cap-1", "admit-kv-holding")
 # Room for the draft tokens the scheduler may place past the last output token.
 MODEL_LEN_MARGIN = 32
 
@@ -38,7 +39,7 @@ class SimSettings:
     jitter_ms: float = 0.0
     router: str = "lb"
     profile: Path = PROFILES_DIR / "rfc-dsv31.json"
-    gate: str = "cap"
+    gate: str = "adaptive"  # the product's default
     seed: int = 0
     # Share of requests arriving with remote KV (P/D decode side); 0: no KV connector at all.
     remote_kv_fraction: float = 0.0
@@ -76,6 +77,7 @@ OFF_ON = (Arm("off", False), Arm("on", True))
 POLICIES = (
     Arm("off", False),
     Arm("on", True),
+    Arm("on-cap", True, gate="cap"),
     Arm("interval-2", False, 2),
     Arm("interval-4", False, 4),
     Arm("on+interval-2", True, 2),

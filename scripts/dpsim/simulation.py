@@ -150,6 +150,7 @@ def run(
             step_counter = 0  # the wave ended: the next one starts at 0
             now = max(now, next_send)
             continue
+        cluster.now = now
         if cluster.has_requests():
             batch = cluster.schedule(step_counter)
             batch.start = max(now, device_free_at)
@@ -166,7 +167,7 @@ def run(
                 step_counter += 1
                 continue
         batch = queue.popleft()
-        now = max(now, batch.end)
+        now = cluster.now = max(now, batch.end)
         produced, finished = cluster.finish(batch, accepted)
         for request_id, count in produced:
             recorder.produced(int(request_id), now, count)

@@ -79,6 +79,13 @@ def balance_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1")
 
 
+@pytest.fixture(autouse=True)
+def cap_gate_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's gate rule, which closes from the gathered counts alone: what the tests of the gate's mechanics and
+    wiring need. The adaptive rule's own tests (tests/ut/core/test_gate_rule.py) choose it explicitly."""
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_GATE_RULE", "cap")
+
+
 @pytest.fixture
 def balance_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "0")

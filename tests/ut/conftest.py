@@ -24,6 +24,7 @@ from balance_fixtures import (  # noqa: E402,F401  (pytest.ini's pythonpath has 
     balance_env_unset,
     balance_off,
     balance_on,
+    cap_gate_rule,
     tiny_model,
     tiny_moe_model,
     vllm_restored,

@@ -52,7 +52,7 @@ from vllm.config import VllmConfig
 from vllm.logger import logger
 from vllm.v1.engine.core import DPEngineCoreProc, DPMoEEngineCoreActor
 
-from vllm_ascend.core import balance_scheduler, balance_seam
+from vllm_ascend.core import balance_rule, balance_scheduler, balance_seam
 from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
 
 AGREEMENT_TIMEOUT_ENV = "VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S"
@@ -114,14 +114,15 @@ class BalanceDPMoEEngineCoreActor(BalanceDPEngineMixin, DPMoEEngineCoreActor):
 
 def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:
     """What every rank of a DP group must share: the caps the gate compares with (``max_num_seqs``, and vLLM >=
-    0.31's ``max_num_active_seqs``, which lowers the admission cap when set), and the code of the gate and the
-    gather (two ranks of different package versions but the same code agree)."""
-    paths = (balance_scheduler.__file__, balance_seam.__file__, __file__)
+    0.31's ``max_num_active_seqs``, which lowers the admission cap when set), the gate rule, and the code of the
+    gate and the gather (two ranks of different package versions but the same code agree)."""
+    paths = (balance_scheduler.__file__, balance_rule.__file__, balance_seam.__file__, __file__)
     sources = b"".join(Path(path).read_bytes() for path in paths)
     scheduler = vllm_config.scheduler_config
     return {
         "cap": scheduler.max_num_seqs,
         "active_cap": getattr(scheduler, "max_num_active_seqs", None),
+        "rule": balance_rule.gate_rule(vllm_config),
         "code": hashlib.sha256(sources).hexdigest()[:12],
     }
 
@@ -156,8 +157,8 @@ def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> Non
         )
     raise RuntimeError(
         f"Balance scheduling: DP rank {rank} has {mine}, but DP rank(s) differ: {differ} ('cap' is max_num_seqs, "
-        "'active_cap' max_num_active_seqs, 'code' a digest of the balance scheduling code). Use the same "
-        "--max-num-seqs and --max-num-active-seqs, and the same package on every node."
+        "'active_cap' max_num_active_seqs, 'rule' the gate rule, 'code' a digest of the balance scheduling code). Use "
+        "the same --max-num-seqs, --max-num-active-seqs, balance_gate_rule and package on every node."
     )
 
 

@@ -43,7 +43,7 @@ METRICS: dict[str, tuple[type[Counter] | type[Gauge], str]] = {
     "steps": (Counter, "schedule() steps of this engine with balance scheduling on (engine_steps at shutdown)."),
     "gated_steps": (Counter, "Steps the balance gate was closed on this engine: no new request admitted."),
     "waiting_gated_steps": (Counter, "Gated steps in which this engine had a request waiting (the gate kept it out)."),
-    "gate_rule": (Gauge, "Balance gate rule in force: 0 = cap (closed while any DP rank is at max_num_seqs)."),
+    "gate_rule": (Gauge, "Balance gate rule in force: 0 = cap, 1 = adaptive and holding, 2 = adaptive, admitting."),
 }
 
 

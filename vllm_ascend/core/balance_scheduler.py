@@ -39,6 +39,8 @@ a process builds is decided once, by the wiring (``patch_balance_schedule``).
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +54,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 
+from vllm_ascend.core.balance_rule import ROW, AdaptiveHold, gate_rule
 from vllm_ascend.core.balance_seam import CAP_COUNTS, refusal, schedule_seam
 
 # The gate's counts ride to the front-end (balance_metrics) under this key prefix in SchedulerStats'
@@ -66,8 +69,8 @@ class BalanceSchedulingMixin:
     arguments of the class it is mixed into and forwards them untouched.
     """
 
-    # The hook for "which gate rule is in force" (vllm:balance_gate_rule): 0 is "cap" (balance_gate_threshold below).
-    balance_gate_rule = 0
+    # Step durations (the adaptive rule's input); the simulator sets its simulated clock.
+    balance_clock: Callable[[], float] = staticmethod(time.monotonic)
     # Provided by vLLM's Scheduler.
     vllm_config: VllmConfig
     running: list[Any]
@@ -87,11 +90,16 @@ class BalanceSchedulingMixin:
         self._balance_cap = seam.cap
         super().__init__(*args, **kwargs)
         dp_size = self.vllm_config.parallel_config.data_parallel_size
-        # One int32 CPU tensor per DP rank, as upstream (callers index and all_gather into it),
-        # each a view of one buffer so the per-step gate check is a single max(), whatever the
-        # DP size. Write counts in place (all_gather does), never rebind the list's items.
-        self._balance_counts = torch.zeros(dp_size, dtype=torch.int32)
-        self.balance_queue: list[torch.Tensor] = list(self._balance_counts.split(1))
+        # One row per DP rank (balance_rule.ROW), gathered in one collective; balance_queue is, as upstream, one
+        # int32 CPU tensor per rank holding its count: views of the rows' first column, so the cap check is a single
+        # max() whatever the DP size. Write in place (all_gather does), never rebind the list's items.
+        self._balance_rows = torch.zeros(dp_size, len(ROW), dtype=torch.int32)
+        self._balance_counts = self._balance_rows[:, 0]
+        self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
+        self.balance_rule = gate_rule(self.vllm_config)
+        self._balance_hold, self._balance_closed = AdaptiveHold() if self.balance_rule == "adaptive" else None, False
+        # The last finished step's prefill tokens and microseconds, and when this rank last scheduled or updated.
+        self._balance_step, self._balance_marks = (0, 0), (0.0, 0.0)
         self.balance_steps = 0
         self.balance_gated_steps = 0
         # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
@@ -113,23 +121,48 @@ class BalanceSchedulingMixin:
         """What vLLM's admission compares with its cap: ``len(running)``, plus paused streams on vLLM >= 0.27."""
         return CAP_COUNTS[self._balance_cap.count](self)
 
+    def balance_row(self) -> list[int]:
+        """This rank's gathered values (``balance_rule.ROW``); the finished step is reported once."""
+        row, self._balance_step = [self.balance_count(), self.get_request_counts()[1], *self._balance_step], (0, 0)
+        return row
+
     def balance_gather(self, dp_group: ProcessGroup) -> None:
-        """All-gather every rank's ``balance_count()`` into ``balance_queue``.
+        """All-gather every rank's ``balance_row()``, then decide the gate for the next step (``balance_update``).
 
         Collective: every rank of ``dp_group`` must call it the same number of times (the DP
         engine loop does, once per active step). No-op with DP size 1.
         """
         if len(self.balance_queue) == 1:
             return
-        local = torch.tensor([self.balance_count()], dtype=torch.int32)
-        dist.all_gather(self.balance_queue, local, group=dp_group)
+        local = torch.tensor([self.balance_row()], dtype=torch.int32)
+        dist.all_gather(list(self._balance_rows.split(1)), local, group=dp_group)
+        self.balance_update()
+
+    def balance_update(self) -> None:
+        """The adaptive rule's step, on the gathered rows: the same on every rank (the cap rule needs none)."""
+        if self._balance_hold is not None:
+            self._balance_closed = self._balance_hold.update(self._balance_rows.tolist(), self.balance_gate_threshold)
 
     def balance_gate_closed(self) -> bool:
-        """True when this step must admit no new request (some rank was at the threshold)."""
-        return int(self._balance_counts.max()) >= self.balance_gate_threshold
+        """True when this step must admit no new request: some rank was at the threshold (``cap``), and, with the
+        ``adaptive`` rule, its hold has not yet idled what aligning would save."""
+        if self._balance_hold is None:
+            return int(self._balance_counts.max()) >= self.balance_gate_threshold
+        return self._balance_closed
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+        now, (scheduled_at, updated_at) = self.balance_clock(), self._balance_marks
+        # Decode requests schedule one token each plus their drafts; the rest is prefill.
+        drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        prefill = scheduler_output.total_num_scheduled_tokens - len(scheduler_output.num_scheduled_tokens) - drafts
+        # With a batch queue the step began when the one before it finished, not when it was scheduled.
+        self._balance_step = (prefill, max(int((now - max(scheduled_at, updated_at)) * 1e6), 1))
+        self._balance_marks = (scheduled_at, now)
+        return super().update_from_output(scheduler_output, *args, **kwargs)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self.balance_steps += 1
+        self._balance_marks = (self.balance_clock(), self._balance_marks[1])
         # A real pause already does at least what the gate would: never override it.
         if self._pause_state != PauseState.UNPAUSED or not self.balance_gate_closed():
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -156,7 +189,11 @@ class BalanceSchedulingMixin:
         if stats is not None:
             now = (self.balance_steps, self.balance_gated_steps, self.balance_waiting_gated_steps)
             values = [n - sent for n, sent in zip(now, self._balance_sent)]
-            values += [int(self.balance_gate_closed()), self.balance_gate_rule]  # int: a bool would not decode
+            # The rule in force: 0 cap, 1 adaptive and holding, 2 adaptive and not (ints: a bool would not decode).
+            values += [
+                int(self.balance_gate_closed()),
+                self._balance_hold and 2 - bool(self._balance_hold.holding) or 0,
+            ]
             keys = ("steps", "gated_steps", "waiting_gated_steps", "gate_closed", "gate_rule")
             stats.running_lora_adapters.update(zip((STATS_PREFIX + key for key in keys), values))
             self._balance_sent = now

@@ -219,7 +219,7 @@ def test_pd_disaggregated_role_fails_at_config_time(
 ) -> None:
     monkeypatch.setenv("VLLM_ASCEND_BALANCE_SCHEDULING", "1" if switch == "env" else "0")
     patch_balance_coexist.register()
-    with pytest.raises(ValueError, match=f"supports only PD-mixed.*{role}"):
+    with pytest.raises(ValueError, match=f"does not support kv_role='{role}'.*only PD-mixed"):
         make_vllm_config(
             tiny_model,
             dp_size=2,

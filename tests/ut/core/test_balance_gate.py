@@ -344,7 +344,7 @@ def test_pd_disaggregated_role_is_refused_by_the_decision(balance_on: None, tiny
         config = make_vllm_config(
             tiny_model, dp_size=2, kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role=role)
         )
-        with pytest.raises(ValueError, match=f"PD-mixed.*{role}"):
+        with pytest.raises(ValueError, match=f"kv_role='{role}'.*PD-mixed"):
             decide(config)
 
 

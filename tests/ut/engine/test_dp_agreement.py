@@ -28,6 +28,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import time
@@ -41,6 +42,7 @@ from vllm.v1.engine.core import DPEngineCoreProc
 
 from vllm_ascend.core import balance_engine_core
 from vllm_ascend.core.balance_engine_core import AGREEMENT_TIMEOUT_ENV, BalanceDPEngineCoreProc
+from vllm_ascend.core.balance_rule import RULE_ENV
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
 from vllm_ascend_balance.patch_balance_schedule import decide, register
 
@@ -54,7 +56,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, stock: bool, config: VllmConfig, port: int, result: Path, code: str | None) -> None:
+def _rank_main(
+    rank: int, stock: bool, config: VllmConfig, port: int, result: Path, code: str | None, rule_steps: int
+) -> None:
     os.setsid()  # its own process group: the test kills the whole tree by it
     outcome: dict[str, Any] = {"rank": rank, "stock": stock}
     try:
@@ -75,6 +79,16 @@ def _rank_main(rank: int, stock: bool, config: VllmConfig, port: int, result: Pa
             scheduler.schedule()
             scheduler.balance_gather(core.dp_group)
             outcome["gathered"] = [int(slot.item()) for slot in scheduler.balance_queue]
+            rng = random.Random(7)  # the same draws on every rank: the group's steps
+            for _ in range(rule_steps):
+                # Each rank reports its own prefill tokens and its own (slightly different) time for the step.
+                prefill = [rng.choice((0, 0, 0, 256, 1024)) for _ in range(parallel.data_parallel_size)]
+                ms = 20.0 + 100.0 * any(prefill) + 0.05 * sum(prefill) + 0.1 * rank
+                scheduler._balance_step = (prefill[rank], int(ms * 1000))
+                scheduler.balance_gather(core.dp_group)
+            if rule_steps:
+                hold = scheduler._balance_hold
+                outcome["rule"] = [hold.penalty_s, hold.decode_s, hold.holding, hold.steps]
         outcome["unfinished"] = ParallelConfig.has_unfinished_dp(core.dp_group, True)
     except BaseException as error:  # noqa: BLE001 - reported to the test
         outcome["error"] = f"{type(error).__name__}: {error}"
@@ -92,7 +106,11 @@ def _kill_tree(process: multiprocessing.process.BaseProcess) -> None:
 
 
 def run_group(
-    configs: list[VllmConfig], stock: set[int], scratch: Path, codes: dict[int, str] | None = None
+    configs: list[VllmConfig],
+    stock: set[int],
+    scratch: Path,
+    codes: dict[int, str] | None = None,
+    rule_steps: int = 0,
 ) -> tuple[list[dict[str, Any]], float]:
     """One forked process per DP rank; returns each rank's outcome and the seconds until the last one exited.
     Fails when a process is still running after BOUND_S (it is killed, as every child is at the end)."""
@@ -103,7 +121,7 @@ def run_group(
         context.Process(
             target=_rank_main,
             name=f"dp-rank{rank}",
-            args=(rank, rank in stock, config, port, paths[rank], (codes or {}).get(rank)),
+            args=(rank, rank in stock, config, port, paths[rank], (codes or {}).get(rank), rule_steps),
         )
         for rank, config in enumerate(configs)
     ]
@@ -138,6 +156,19 @@ def test_an_agreeing_group_starts_and_gathers(configs: Any, tmp_path: Path, monk
     for outcome in outcomes:
         assert "error" not in outcome, outcome
         assert outcome["gathered"] == [0, 1, 2] and outcome["unfinished"] is True
+
+
+def test_the_adaptive_rule_learns_the_same_on_every_rank(
+    configs: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks report different prefill tokens and step times; after the gathers every rank holds the same fit."""
+    monkeypatch.delenv(AGREEMENT_TIMEOUT_ENV, raising=False)
+    monkeypatch.setenv(RULE_ENV, "adaptive")
+    outcomes, _ = run_group(configs(3), set(), tmp_path, rule_steps=200)
+    assert all("error" not in outcome for outcome in outcomes), outcomes
+    assert len({json.dumps(outcome["rule"]) for outcome in outcomes}) == 1, [o["rule"] for o in outcomes]
+    penalty_s, decode_s, holding, steps = outcomes[0]["rule"]
+    assert steps == 200 and holding and penalty_s == pytest.approx(0.1, rel=0.1), outcomes[0]["rule"]
 
 
 @pytest.mark.parametrize("dp, stock_rank", [(2, 1), (3, 0)])
@@ -193,7 +224,20 @@ def test_different_balance_scheduling_code_is_refused(
     outcomes, _ = run_group(configs(2), set(), tmp_path, codes={1: "0123456789ab"})
     assert "DP rank(s) differ: {1: {'code': '0123456789ab'}}" in outcomes[0]["error"]
     assert "DP rank(s) differ: {0: {'code': " in outcomes[1]["error"]
-    assert all("same package on every node" in outcome["error"] for outcome in outcomes)
+    assert all("and package on every node" in outcome["error"] for outcome in outcomes)
+
+
+def test_different_gate_rules_are_refused_on_every_rank(
+    configs: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose config (or VLLM_ASCEND_BALANCE_GATE_RULE) picks another rule would decide other steps."""
+    group = configs(2)
+    group[1].additional_config = {"scheduler_config": {"balance_gate_rule": "adaptive"}}  # rank 0: the env's cap
+    monkeypatch.delenv(AGREEMENT_TIMEOUT_ENV, raising=False)
+    outcomes, _ = run_group(group, set(), tmp_path)
+    assert "DP rank(s) differ: {1: {'rule': 'adaptive'}}" in outcomes[0]["error"]
+    assert "DP rank(s) differ: {0: {'rule': 'cap'}}" in outcomes[1]["error"]
+    assert all("balance_gate_rule" in outcome["error"] for outcome in outcomes)
 
 
 def test_vllm_creates_the_dp_store_before_the_model_loads() -> None:

@@ -260,7 +260,7 @@ def test_pd_refusal_names_both_switches(balance_env_unset: None, tiny_model: Pat
         dp_size=2,
         kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer"),
     )
-    with pytest.raises(ValueError, match=r"supports only PD-mixed.*kv_producer") as error:
+    with pytest.raises(ValueError, match=r"does not support kv_role='kv_producer'.*only PD-mixed") as error:
         decide(with_switch(config, True))
     assert BALANCE_SCHEDULING_ENV in str(error.value)
     assert BALANCE_SCHEDULING_CONFIG_KEY in str(error.value)

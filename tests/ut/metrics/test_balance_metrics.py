@@ -141,6 +141,18 @@ def test_gate_counts_reach_metrics_exactly(tiny_moe_model: Path, manager_for: An
     assert ("vllm:balance_steps_total", "0") not in after  # engine 0 sent nothing
 
 
+def test_the_rule_in_force_is_carried(tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm:balance_gate_rule: 0 cap; adaptive 2 while it admits without waiting (until its first fit, too), 1 while
+    it holds."""
+    monkeypatch.setenv("VLLM_ASCEND_BALANCE_GATE_RULE", "adaptive")
+    scheduler = build_scheduler(BalanceScheduler, config(tiny_moe_model, True))
+    scheduler.add_request(make_request("r0", num_prompt_tokens=8, max_tokens=6))
+    _, outputs = step(scheduler)
+    assert next(iter(outputs.values())).scheduler_stats.running_lora_adapters[f"{STATS_PREFIX}gate_rule"] == 2
+    scheduler._balance_hold.holding = True
+    assert scheduler.make_stats().running_lora_adapters[f"{STATS_PREFIX}gate_rule"] == 1
+
+
 def test_balance_off_registers_nothing(tiny_moe_model: Path, manager_for: Any) -> None:
     manager_for(False)
     assert not families(), "balance off, yet balance metrics are registered"

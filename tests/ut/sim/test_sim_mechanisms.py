@@ -18,6 +18,7 @@ MTP = with_values(
 )
 # One wave of identical requests, all sent at once, one rank: only MTP can tell them apart.
 ONE_WAVE = SimSettings(
+    gate="cap",  # the gate's mechanics: upstream's rule closes from the counts alone
     dp_size=1,
     max_num_seqs=8,
     max_num_batched_tokens=512,
@@ -37,6 +38,7 @@ def _cluster(model: Path, **kwargs: object) -> LockstepCluster:
         "max_num_batched_tokens": 256,
         "max_model_len": 300,
         "balance": False,
+        "gate": "cap",  # the gate's mechanics: upstream's rule closes from the counts alone
         **kwargs,
     }
     return LockstepCluster(model, **options)  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ def _cluster(model: Path, **kwargs: Any) -> LockstepCluster:
         "balance": False,
         "remote_kv_delay_steps": 3,
         "kv_holding_requests": 4,
+        "gate": "cap",  # the gate's mechanics: upstream's rule closes from the counts alone
         **kwargs,
     }
     return LockstepCluster(model, **options)

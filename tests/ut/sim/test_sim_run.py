@@ -28,6 +28,7 @@ from vllm_ascend.core.balance_scheduler import BalanceAsyncScheduler, BalanceSch
 PROFILE = profile_from_dict({"step_overhead_ms": 20, "decode_ms_per_request": 1, "prefill_ms_per_token": 0.05})
 OFF, ON = OFF_ON
 TINY = SimSettings(
+    gate="cap",  # the gate's mechanics: upstream's rule closes from the counts alone
     dp_size=2,
     max_num_seqs=4,
     max_num_batched_tokens=256,
@@ -197,7 +198,7 @@ def test_gate_rule_reaches_the_schedulers(tiny_model: Path, gate: str, threshold
 
 def test_lockstep_step_emulates_the_gather(tiny_model: Path) -> None:
     cluster = LockstepCluster(
-        tiny_model, dp_size=3, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=200, balance=True
+        tiny_model, dp_size=3, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=200, balance=True, gate="cap"
     )
     for index in range(4):
         cluster.schedulers[0].add_request(sim_request(str(index), RequestShape(30, 5), 0.0))

@@ -163,32 +163,31 @@ def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
     an in-process engine is no DP engine core, so the gate could never close; ranks added by elastic EP would wait
     in vain for the running ranks' agreement. A PD-disaggregated instance does not run the mixed prefill+decode lockstep
     the gate is for (upstream refuses it too)."""
-    parallel = vllm_config.parallel_config
-    no_gather = {
-        "distributed_executor_backend='external_launcher'": parallel.distributed_executor_backend
-        == "external_launcher",
-        "VLLM_ENABLE_V1_MULTIPROCESSING=0": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+    parallel, kv_role = vllm_config.parallel_config, getattr(vllm_config.kv_transfer_config, "kv_role", None)
+    no_gather = "the per-step gather runs only in vLLM's DP engine cores, so the gate could never close"
+    refused = {
+        "distributed_executor_backend='external_launcher' with data parallelism": (
+            parallel.data_parallel_size > 1 and parallel.distributed_executor_backend == "external_launcher",
+            no_gather,
+        ),
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0 with data parallelism": (
+            parallel.data_parallel_size > 1 and not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+            no_gather,
+        ),
+        "enable_elastic_ep=True (--enable-elastic-ep)": (
+            getattr(parallel, "enable_elastic_ep", False),
+            "engine cores added at scale-up would wait in vain for the running ranks' start-up agreement",
+        ),
+        f"kv_role={kv_role!r} (PD-disaggregated serving)": (
+            vllm_config.kv_transfer_config is not None and kv_role != "kv_both",
+            "only PD-mixed serving (no kv_transfer_config, or kv_role='kv_both') steps in lockstep",
+        ),
     }
-    unsupported = [setting for setting, present in no_gather.items() if present]
-    if unsupported and parallel.data_parallel_size > 1:
-        raise ValueError(
-            f"Balance scheduling ({source}) does not support {unsupported[0]} with data parallelism: the per-step "
-            "gather runs only in vLLM's DP engine cores, so the gate could never close. Use the default "
-            f"multiprocessing DP engines or {SWITCHES_OFF}."
-        )
-    if getattr(parallel, "enable_elastic_ep", False):
-        raise ValueError(
-            f"Balance scheduling ({source}) does not support enable_elastic_ep=True (--enable-elastic-ep): engine "
-            "cores added at scale-up would wait in vain for the running ranks' start-up agreement. Disable elastic "
-            f"EP or {SWITCHES_OFF}."
-        )
-    kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None)
-    if vllm_config.kv_transfer_config is not None and kv_role != "kv_both":
-        raise ValueError(
-            f"Balance scheduling ({source}) supports only PD-mixed serving (no kv_transfer_config, or "
-            f"kv_role='kv_both'); got kv_role={kv_role!r}. For PD-disaggregated (kv_producer/kv_consumer) "
-            f"instances, {SWITCHES_OFF}."
-        )
+    for setting, (present, why) in refused.items():
+        if present:
+            raise ValueError(
+                f"Balance scheduling ({source}) does not support {setting}: {why}. Change it or {SWITCHES_OFF}."
+            )
 
 
 # ---- the wrappers -------------------------------------------------------------------------------------------------

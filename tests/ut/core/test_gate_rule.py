@@ -1,0 +1,127 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""The gate rules: which one is in force, and what the adaptive rule learns and decides.
+
+The adaptive rule is fed DP groups whose step times follow a known cost structure (``group_steps``): a fixed extra
+for any step with a prefill on any rank (a graph-mode engine) or none (an eager one, whose prefill cost follows the
+tokens alone). It must find that extra, hold the gate only where it exists and only up to it, and say so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from offline_vllm import build_scheduler, emulate_gather, make_request, make_vllm_config, step
+
+from vllm_ascend.core.balance_rule import RULE_ENV, AdaptiveHold, gate_rule
+from vllm_ascend.core.balance_scheduler import BalanceScheduler
+
+CAP, DP = 4, 2
+DECODE_MS, PER_TOKEN_MS = 20.0, 0.05
+
+
+def group_steps(hold: AdaptiveHold, steps: int, penalty_ms: float, seed: int = 0) -> None:
+    """``steps`` steps of a DP group below its cap: a rank prefills in about one step of three (128-1024 tokens),
+    each step costing DECODE_MS, plus ``penalty_ms`` when any rank prefills, plus PER_TOKEN_MS per prefill token of
+    the whole group (an EP all-gather MoE: every rank pays for every rank's tokens); 2 % noise."""
+    rng = random.Random(seed)
+    for _ in range(steps):
+        prefill = [rng.choice((0, 0, 0, 0, 0, 128, 512, 1024)) for _ in range(DP)]
+        ms = DECODE_MS + (penalty_ms if any(prefill) else 0) + PER_TOKEN_MS * sum(prefill)
+        rows = [[CAP - 1, 0, tokens, int(ms * 1000 * rng.uniform(0.98, 1.02))] for tokens in prefill]
+        assert hold.update(rows, CAP) is False  # no rank at its cap: never closed
+
+
+def test_gate_rule_default_env_and_config(tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RULE_ENV, raising=False)
+    assert gate_rule(make_vllm_config(tiny_moe_model)) == "adaptive"
+    monkeypatch.setenv(RULE_ENV, "cap")
+    assert gate_rule(make_vllm_config(tiny_moe_model)) == "cap"
+    nested = {"scheduler_config": {"balance_gate_rule": "adaptive"}}
+    assert gate_rule(make_vllm_config(tiny_moe_model, additional_config=nested)) == "adaptive"  # config wins
+    monkeypatch.setenv(RULE_ENV, "cap-1")
+    with pytest.raises(ValueError, match=rf"'cap-1' \(balance_gate_rule or {RULE_ENV}\) is not valid"):
+        gate_rule(make_vllm_config(tiny_moe_model))
+
+
+def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog: pytest.LogCaptureFixture) -> None:
+    hold = AdaptiveHold()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        group_steps(hold, 600, penalty_ms=150.0)
+    assert hold.penalty_s * 1e3 == pytest.approx(150.0, rel=0.1)
+    assert hold.decode_s * 1e3 == pytest.approx(DECODE_MS, rel=0.1)
+    assert hold.holding
+    decisions = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()]
+    assert len(decisions) == 1 and "holds admissions while a rank is at its cap" in decisions[0]
+    # Rank 0 at its cap, rank 1 with a free slot and a request waiting: each held step costs 1/7 of a decode step.
+    full = [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]
+    closed = [hold.update(full, CAP) for _ in range(120)]
+    held = closed.index(False)
+    assert held == int(hold.penalty_s / (hold.decode_s / (2 * CAP - 1)))  # the idle slot-steps worth the saving
+    assert closed[held + 1 : 2 * held + 1] == [True] * held and closed[2 * held + 1] is False  # then a new hold
+    # Nothing to admit (no request waiting on a free slot): holding costs nothing, the gate stays closed.
+    assert all(hold.update([[CAP, 3, 0, 0], [CAP - 1, 0, 0, 0]], CAP) for _ in range(300))
+    assert hold.update([[CAP - 1, 0, 0, 0], [CAP - 1, 2, 0, 0]], CAP) is False  # no rank at its cap
+
+
+def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog: pytest.LogCaptureFixture) -> None:
+    hold = AdaptiveHold()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        group_steps(hold, 600, penalty_ms=0.0)
+        assert hold.penalty_s * 1e3 < 1.0 and not hold.holding
+        assert not any(hold.update([[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]], CAP) for _ in range(50))
+        group_steps(hold, 3000, penalty_ms=150.0, seed=1)  # the engine changed: old steps fade out
+        assert hold.holding
+        group_steps(hold, 6000, penalty_ms=0.0, seed=2)
+        assert not hold.holding
+    decisions = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()]
+    assert [("holds" in d, "admits without waiting" in d) for d in decisions] == [
+        (False, True),
+        (True, False),
+        (False, True),
+    ]
+
+
+def test_every_rank_decides_the_same_from_the_same_rows() -> None:
+    ranks = [AdaptiveHold() for _ in range(DP)]
+    for hold in ranks:
+        group_steps(hold, 400, penalty_ms=80.0)
+    rows = [[CAP, 2, 0, 0], [CAP - 2, 3, 0, 0]]
+    assert len({tuple(hold.update(rows, CAP) for _ in range(40)) for hold in ranks}) == 1
+    assert len({(hold.penalty_s, hold.decode_s, hold.held_s) for hold in ranks}) == 1
+
+
+def test_the_scheduler_reports_each_finished_step_once(tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """balance_row: the count, waiting requests, and the step update_from_output finished: its prefill tokens and
+    its duration on the scheduler's clock (from when it was scheduled, or the previous step ended if later)."""
+    monkeypatch.setenv(RULE_ENV, "adaptive")
+    scheduler: Any = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, dp_size=DP))
+    clock = iter([10.0, 10.25, 11.0, 11.5])  # schedule, update, schedule, update
+    scheduler.balance_clock = lambda: next(clock)
+    for index in range(CAP + 1):
+        scheduler.add_request(make_request(f"r{index}", num_prompt_tokens=8))
+    step(scheduler)
+    assert scheduler.balance_row() == [CAP, 1, CAP * 8 - CAP, 250_000]  # 4 prompts of 8 tokens, one sampled each
+    assert scheduler.balance_row() == [CAP, 1, 0, 0]  # reported once
+    step(scheduler)
+    assert scheduler.balance_row() == [CAP, 1, 0, 500_000]  # decode only
+    emulate_gather([scheduler], [CAP, 0])
+    assert scheduler.balance_gate_closed() is False  # nothing learnt yet: the adaptive rule does not hold

@@ -1,0 +1,99 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""The gate rule: while some DP rank is at its cap, how long the others wait to admit.
+
+Upstream's rule (``cap``) keeps every rank from admitting for as long as any rank is at its cap. That aligns the
+ranks' prefills, which pays where a step with a prefill on any rank costs every rank a fixed extra (graph mode: the
+step runs without its decode graph) and loses where it does not (an eager engine, measured: the idle slots cost
+more than the aligned prefills save). ``adaptive`` (the default) holds the gate closed only while the slots it
+idles have cost less than the one prefill step that aligning saves: a ski-rental bound, so a hold that never aligns
+costs at most that step, and on an engine without the fixed extra it never holds.
+
+Both costs are measured, from values every rank gathers each step (``ROW``), so every rank computes the same
+numbers: the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on
+(1, any prefill, the largest and the summed prefill tokens of the ranks, running requests); a decode step's time is
+the mean of steps without a prefill. Old steps fade out (a half-life of about 700 steps).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from vllm.config import VllmConfig
+from vllm.logger import logger
+
+RULE_ENV, RULE_KEY, RULES = "VLLM_ASCEND_BALANCE_GATE_RULE", "balance_gate_rule", ("adaptive", "cap")
+# What each rank contributes per step: its balance_count, waiting requests, and the step it just finished: prefill
+# tokens and duration in microseconds (0: none finished since the last gather).
+ROW = ("count", "waiting", "prefill_tokens", "step_us")
+_FADE, _REFIT_EVERY, _MIN_STEPS = 1 - 1 / 1024, 32, 64
+
+
+def gate_rule(vllm_config: VllmConfig) -> str:
+    """``additional_config['scheduler_config']['balance_gate_rule']``, else ``VLLM_ASCEND_BALANCE_GATE_RULE``, else
+    ``adaptive``; anything but a known rule is an error."""
+    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, Mapping) else {}
+    nested = additional.get("scheduler_config")
+    rule = (nested if isinstance(nested, Mapping) else {}).get(RULE_KEY, os.environ.get(RULE_ENV, "adaptive"))
+    if rule not in RULES:
+        raise ValueError(f"Balance gate rule {rule!r} ({RULE_KEY} or {RULE_ENV}) is not valid: one of {RULES}.")
+    return rule
+
+
+class AdaptiveHold:
+    """The ``adaptive`` rule's state; ``update`` runs once per gather on every rank, with identical rows."""
+
+    def __init__(self) -> None:
+        self.xtx, self.xty = torch.zeros(5, 5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+        self.steps, self.decode_s, self.penalty_s, self.held_s = 0, 0.0, 0.0, 0.0
+        self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
+
+    def update(self, rows: list[list[int]], cap: int) -> bool:
+        """Learn from the step the rows report, then decide whether the gate is closed for the next step."""
+        counts, waiting, prefill, step_us = zip(*rows)
+        if max(step_us) > 0:
+            self._observe(max(step_us) / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
+        # One more held step costs the waiting requests it keeps out of free slots, as a share of decode throughput.
+        cost_s = self.decode_s * sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap) / max(sum(counts), 1)
+        if max(counts) < cap or not self.holding or self.held_s + cost_s > self.penalty_s:
+            self.held_s = 0.0  # open: admit now; a new hold starts at the next full rank
+            return False
+        self.held_s += cost_s
+        return True
+
+    def _observe(self, step_s: float, largest: int, total: int, running: int, full: int) -> None:
+        features = torch.tensor([1.0, float(largest > 0), largest, total, running], dtype=torch.float64)
+        self.xtx.mul_(_FADE).add_(torch.outer(features, features))
+        self.xty.mul_(_FADE).add_(features * step_s)
+        self.steps += 1
+        # Refit once both kinds of step were seen (xtx[1, 1] weighs the steps with a prefill, xtx[0, 0] all); a small
+        # ridge keeps the fit defined while features are collinear (one rank prefilling, or none).
+        if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < self.xtx[1, 1] < self.xtx[0, 0]:
+            return
+        coef = torch.linalg.solve(self.xtx + 1e-6 * torch.eye(5, dtype=torch.float64), self.xty).tolist()
+        self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
+        # Judged at full load (every rank at its cap), where the gate acts: does the saving cover one idle slot-step?
+        if (holding := self.penalty_s > self.decode_s / full) != self.holding:
+            logger.info(
+                "Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank %.1f ms "
+                "more than a decode step of %d requests (%.1f ms), fitted on the last ~1000 steps.",
+                "holds admissions while a rank is at its cap, up to that cost in idle slots" if holding else
+                "admits without waiting (aligning prefills would save less than it idles)",
+                self.penalty_s * 1e3, running, self.decode_s * 1e3)  # fmt: skip
+            self.holding = holding
