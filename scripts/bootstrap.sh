@@ -152,9 +152,13 @@ EOF
   echo "$stamp_inputs" > "$stamp"
 fi
 
-# Always (re)install this project from the working tree, non-editable, exactly as a user would.
-"$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation \
-  --force-reinstall "$root"
+# Always (re)install this project from the working tree, non-editable, exactly as a user would. One install at a time
+# across venvs: every build shares the tree's build/ and egg-info (CI builds venvs in the background meanwhile).
+(
+  flock 8
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation \
+    --force-reinstall "$root"
+) 8>"$root/.project-install.lock"
 "$venv/bin/python" -c "import vllm_ascend.core.balance_scheduler" >/dev/null 2>&1 || {
   "$venv/bin/python" -c "import vllm_ascend.core.balance_scheduler" >&2 || true
   echo "bootstrap: project install into $venv failed" >&2; exit 1; }
