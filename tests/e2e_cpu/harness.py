@@ -336,6 +336,46 @@ def settled_scrape(server: Server) -> str:
         time.sleep(SETTLE_S)
 
 
+# The scrape after the run against each engine's shutdown line: equal but for steps whose stats never left the
+# engine (a last schedule() after the final stats message), at most this many per engine.
+METRICS_BOUND_STEPS = 2
+DASHBOARD = HERE.parents[1] / "docs" / "grafana-balance-scheduling.json"
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric name the Grafana dashboard's queries use."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return {name for p in panels for t in p.get("targets", []) for name in re.findall(r"vllm:[a-z_:]+", t["expr"])}
+
+
+def check_balance_metrics(
+    metrics: str, client: dict, stats: dict[int, dict[str, int]], balance: bool, dp_size: int
+) -> dict[int, dict]:
+    """The /metrics checks of one run: with balance off no balance metric; on, per engine, the scrape after the run
+    against the engine's shutdown line (where it survived), the gated-steps counter moving during the run (``client``'s
+    scrapes), and every metric the dashboard queries present. Returns the final balance values per engine."""
+    final = balance_values(metrics)  # parses the whole exposition: raises if malformed
+    if not balance:
+        assert final == {} and "vllm:balance_" not in metrics, f"balance off, yet balance metrics: {final}"
+        return {}
+    per_engine = {e: {n.removeprefix("vllm:balance_"): v[e] for n, v in final.items()} for e in range(dp_size)}
+    for engine, logged in stats.items():
+        seen = per_engine[engine]
+        for metric, key in (("steps_total", "engine_steps"), ("gated_steps_total", "gated_steps")):
+            assert 0 <= logged[key] - seen[metric] <= METRICS_BOUND_STEPS, (engine, metric, seen, logged)
+        assert 0 < seen["waiting_gated_steps_total"] <= seen["gated_steps_total"], seen
+        assert seen["gate_rule"] == 0, seen
+    # During the run: the gated-steps counter of every engine took at least 3 distinct values while sampled.
+    for engine in range(dp_size):
+        moving = {s["values"].get("vllm:balance_gated_steps_total", {}).get(str(engine)) for s in client["series"]}
+        assert len(moving - {None}) >= 3, f"engine {engine}: gated steps did not move during the run"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {s.name for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert not dashboard_metric_names() - names, f"dashboard metrics not scraped: {dashboard_metric_names() - names}"
+    return per_engine
+
+
 # ---- what the engines logged ---------------------------------------------------------------------
 def final_stats(log: str) -> dict[int, dict[str, int]]:
     """The last ``Balance scheduling stats`` line of each DP rank (the one logged at shutdown)."""

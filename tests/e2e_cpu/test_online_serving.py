@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from harness import (
     Server,
     Watchdog,
     Wave,
-    balance_values,
+    check_balance_metrics,
     final_stats,
     free_port,
     gate_checks,
@@ -54,7 +53,6 @@ from harness import (
     run_waves,
     settled_scrape,
 )
-from prometheus_client.parser import text_string_to_metric_families
 from tiny_model import write_tiny_moe_model
 
 DP_SIZE = 2
@@ -76,10 +74,6 @@ ENGINE_ARGS = [
 SERVE_ARGS = ["--data-parallel-size", str(DP_SIZE), *ENGINE_ARGS]
 # Balance on runs two API servers: its metrics must add up across them (vLLM's multiprocess collector).
 API_SERVERS = {False: "1", True: "2"}
-# The scrape after the run against each engine's shutdown line: equal but for steps whose stats never left the
-# engine (a last schedule() after the final stats message), at most this many per engine.
-METRICS_BOUND_STEPS = 2
-DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-balance-scheduling.json"
 # Concurrency 12 > DP x max_num_seqs = 8: with balance on the gate must close in every burst.
 WAVES = [Wave(), Wave(num_prompts=24, max_concurrency=10), Wave()]
 IDLE_GAP_S = 3.0
@@ -109,34 +103,6 @@ def _serve_waves(model: Path, workdir: Path, balance: bool) -> tuple[Server, dic
                 ) from error
             raise
     return server, client, time.monotonic() - started, metrics
-
-
-def dashboard_metric_names() -> set[str]:
-    """Every metric name the Grafana dashboard's queries use."""
-    panels = json.loads(DASHBOARD.read_text())["panels"]
-    return {name for p in panels for t in p.get("targets", []) for name in re.findall(r"vllm:[a-z_:]+", t["expr"])}
-
-
-def check_metrics(metrics: str, client: dict, stats: dict[int, dict[str, int]], balance: bool) -> dict[int, dict]:
-    """The /metrics checks of one run (see the module docstring); returns the final balance values per engine."""
-    final = balance_values(metrics)  # parses the whole exposition: raises if malformed
-    if not balance:
-        assert final == {} and "vllm:balance_" not in metrics, f"balance off, yet balance metrics: {final}"
-        return {}
-    per_engine = {e: {n.removeprefix("vllm:balance_"): v[e] for n, v in final.items()} for e in range(DP_SIZE)}
-    for engine, logged in stats.items():
-        seen = per_engine[engine]
-        for metric, key in (("steps_total", "engine_steps"), ("gated_steps_total", "gated_steps")):
-            assert 0 <= logged[key] - seen[metric] <= METRICS_BOUND_STEPS, (engine, metric, seen, logged)
-        assert 0 < seen["waiting_gated_steps_total"] <= seen["gated_steps_total"], seen
-        assert seen["gate_rule"] == 0, seen
-    # During the run: the gated-steps counter of every engine took at least 3 distinct values while sampled.
-    for engine in range(DP_SIZE):
-        moving = {s["values"].get("vllm:balance_gated_steps_total", {}).get(str(engine)) for s in client["series"]}
-        assert len(moving - {None}) >= 3, f"engine {engine}: gated steps did not move during the run"
-    names = {s.name for f in text_string_to_metric_families(metrics) for s in f.samples}
-    assert not dashboard_metric_names() - names, f"dashboard metrics not scraped: {dashboard_metric_names() - names}"
-    return per_engine
 
 
 @pytest.mark.parametrize("balance", [False, True], ids=["balance-off", "balance-on"])
@@ -182,7 +148,7 @@ def test_online_waves(model_dir: Path, tmp_path: Path, balance: bool) -> None:
             "balance off, yet a balanced scheduler or engine core was built"
         )
         assert stats == {} and checks == {}, "balance off, yet some rank gated a step"
-    scraped = check_metrics(metrics, client, stats, balance)
+    scraped = check_balance_metrics(metrics, client, stats, balance, DP_SIZE)
 
     requests = sum(w.num_prompts + w.json_requests for w in WAVES)
     per_rank = (

@@ -3,7 +3,8 @@
 What runs: ``vllm serve <random-weight Qwen3-MoE> --data-parallel-size 2 --enable-expert-parallel`` of vLLM's CPU
 build (the v0.32.0-cpu line): API server, DP coordinator, two ``DPEngineCoreProc`` engine cores whose workers run the
 real model, gloo collectives inside every MoE layer (``real_forward/`` fills the CPU build's gaps; test-only).
-Balance is switched by ``--additional-config '{"scheduler_config": {"enable_balance_scheduling": true}}'`` alone.
+Balance is switched by ``--additional-config`` alone (the nested switch, with upstream's ``cap`` gate rule: the test
+needs a gate that closes). ``/metrics`` is checked in the same runs, as in the fake-forward test.
 vLLM's benchmark client sends bursts with idle gaps (each gap ends a DP wave), with JSON-mode requests inside: the
 grammar constrains real logits, so each answer must parse and match its schema.
 
@@ -11,7 +12,8 @@ It would fail on: a request that never finishes; JSON-mode output that does not 
 closes on some rank with balance on, or closes with it off (read from the gate check's lines, which the engines log
 while they run: vLLM 0.32 may kill its engine cores at shutdown before their stats line); a rank admitting while
 the gate is closed; ranks that do not agree; greedy output of a lone request that differs from DP 1 (with one
-request in flight no batching can change it; EP and the collectives could); any process left behind.
+request in flight no batching can change it; EP and the collectives could); gate metrics absent with balance on,
+present with it off, or not matching the engines' own counts; any process left behind.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from harness import (
     Server,
     Watchdog,
     Wave,
+    check_balance_metrics,
     final_stats,
     gate_checks,
     gate_violations,
     greedy_completions,
     run_waves,
+    settled_scrape,
 )
 from tiny_model import real_moe_model
 
@@ -108,6 +112,7 @@ def test_real_forward_waves(model_dir: Path, dp1_greedy: list[str], tmp_path: Pa
             with server:
                 client = run_waves(server, WAVES, IDLE_GAP_S, MAX_NUM_SEQS, tmp_path, schema=CITY_ENUM_SCHEMA)
                 greedy = greedy_completions(server, GREEDY_PROMPTS, GREEDY_TOKENS)
+                metrics = settled_scrape(server)
         except Exception as error:
             if watchdog.fired:
                 raise AssertionError(f"run exceeded {RUN_BOUND_S:.0f} s; log tail:\n{server.log_tail()}") from error
@@ -136,9 +141,12 @@ def test_real_forward_waves(model_dir: Path, dp1_greedy: list[str], tmp_path: Pa
         assert ENGINE_HOOK_LOG not in log and "Balance scheduling: using" not in log, "balance off, yet balanced"
         assert checks == {} and final_stats(log) == {}, "balance off, yet some rank gated a step"
     stats = final_stats(log)
+    scraped = check_balance_metrics(metrics, client, stats, balance, DP_SIZE)
     per_rank = ", ".join(f"rank {r}: {c['closed_steps']} closed steps" for r, c in sorted(checks.items())) or "none"
     print(
         f"\n[real-forward e2e] balance {label}: start-up {server.startup_s:.1f} s, "
         f"{sum(w.num_prompts + w.json_requests for w in WAVES)} requests completed, gate {per_rank}; "
-        f"shutdown stats lines {sorted(stats)} of {DP_SIZE}; run {wall_s:.1f} s"
+        f"shutdown stats lines {sorted(stats)} of {DP_SIZE}; /metrics after the run: "
+        + (", ".join(f"engine {e}: {int(v['gated_steps_total'])} gated" for e, v in scraped.items()) or "none")
+        + f"; run {wall_s:.1f} s"
     )

@@ -164,30 +164,22 @@ def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
     in vain for the running ranks' agreement. A PD-disaggregated instance does not run the mixed prefill+decode lockstep
     the gate is for (upstream refuses it too)."""
     parallel, kv_role = vllm_config.parallel_config, getattr(vllm_config.kv_transfer_config, "kv_role", None)
-    no_gather = "the per-step gather runs only in vLLM's DP engine cores, so the gate could never close"
-    refused = {
-        "distributed_executor_backend='external_launcher' with data parallelism": (
-            parallel.data_parallel_size > 1 and parallel.distributed_executor_backend == "external_launcher",
-            no_gather,
-        ),
-        "VLLM_ENABLE_V1_MULTIPROCESSING=0 with data parallelism": (
-            parallel.data_parallel_size > 1 and not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
-            no_gather,
-        ),
-        "enable_elastic_ep=True (--enable-elastic-ep)": (
-            getattr(parallel, "enable_elastic_ep", False),
-            "engine cores added at scale-up would wait in vain for the running ranks' start-up agreement",
-        ),
-        f"kv_role={kv_role!r} (PD-disaggregated serving)": (
-            vllm_config.kv_transfer_config is not None and kv_role != "kv_both",
-            "only PD-mixed serving (no kv_transfer_config, or kv_role='kv_both') steps in lockstep",
-        ),
-    }
-    for setting, (present, why) in refused.items():
-        if present:
-            raise ValueError(
-                f"Balance scheduling ({source}) does not support {setting}: {why}. Change it or {SWITCHES_OFF}."
-            )
+    dp, no_gather = parallel.data_parallel_size > 1, "the per-step gather runs only in vLLM's DP engine cores"
+    refused = (  # (refused when, the setting, why)
+        (dp and parallel.distributed_executor_backend == "external_launcher", "distributed_executor_backend="
+         "'external_launcher' with data parallelism", no_gather + ", so the gate could never close"),
+        (dp and not envs.VLLM_ENABLE_V1_MULTIPROCESSING, "VLLM_ENABLE_V1_MULTIPROCESSING=0 with data parallelism",
+         no_gather + ", so the gate could never close"),
+        (getattr(parallel, "enable_elastic_ep", False), "enable_elastic_ep=True (--enable-elastic-ep)",
+         "engine cores added at scale-up would wait in vain for the running ranks' start-up agreement"),
+        (vllm_config.kv_transfer_config is not None and kv_role != "kv_both", f"kv_role={kv_role!r} (PD-disaggregated"
+         " serving)", "only PD-mixed serving (no kv_transfer_config, or kv_role='kv_both') steps in lockstep"),
+    )  # fmt: skip
+    if found := next(((setting, why) for present, setting, why in refused if present), None):
+        setting, why = found
+        raise ValueError(
+            f"Balance scheduling ({source}) does not support {setting}: {why}. Change it or {SWITCHES_OFF}."
+        )
 
 
 # ---- the wrappers -------------------------------------------------------------------------------------------------
