@@ -264,6 +264,10 @@ def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = Non
     rows = [s.balance_row() for s in schedulers] if counts is None else [[c] + [0] * 3 for c in counts]
     for scheduler in schedulers:
         assert len(rows) == len(scheduler.balance_queue), (rows, len(scheduler.balance_queue))
+        if not hasattr(scheduler, "balance_update"):  # vllm-ascend's copy: one count per rank
+            for slot, row in zip(scheduler.balance_queue, rows):
+                slot.fill_(row[0])
+            continue
         scheduler._balance_rows.copy_(torch.tensor(rows, dtype=torch.int32))
         scheduler.balance_update()
 

@@ -60,33 +60,39 @@ class AdaptiveHold:
     """The ``adaptive`` rule's state; ``update`` runs once per gather on every rank, with identical rows."""
 
     def __init__(self) -> None:
-        self.xtx, self.xty = torch.zeros(5, 5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+        # The fit's normal equations (plain floats: this runs every step; torch only solves them, every 32 steps).
+        self.xtx, self.xty = [[0.0] * 5 for _ in range(5)], [0.0] * 5
         self.steps, self.decode_s, self.penalty_s, self.held_s = 0, 0.0, 0.0, 0.0
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
     def update(self, rows: list[list[int]], cap: int) -> bool:
         """Learn from the step the rows report, then decide whether the gate is closed for the next step."""
         counts, waiting, prefill, step_us = zip(*rows)
-        if max(step_us) > 0:
-            self._observe(max(step_us) / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
+        if longest := max(step_us):
+            self._observe(longest / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
+        if max(counts) < cap or not self.holding:
+            self.held_s = 0.0
+            return False
         # One more held step costs the waiting requests it keeps out of free slots, as a share of decode throughput.
         cost_s = self.decode_s * sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap) / max(sum(counts), 1)
-        if max(counts) < cap or not self.holding or self.held_s + cost_s > self.penalty_s:
-            self.held_s = 0.0  # open: admit now; a new hold starts at the next full rank
+        if self.held_s + cost_s > self.penalty_s:
+            self.held_s = 0.0  # the hold expires: admit now; a new hold starts at the next full rank
             return False
         self.held_s += cost_s
         return True
 
     def _observe(self, step_s: float, largest: int, total: int, running: int, full: int) -> None:
-        features = torch.tensor([1.0, float(largest > 0), largest, total, running], dtype=torch.float64)
-        self.xtx.mul_(_FADE).add_(torch.outer(features, features))
-        self.xty.mul_(_FADE).add_(features * step_s)
+        features = (1.0, float(largest > 0), float(largest), float(total), float(running))
+        for row, x in zip(self.xtx, features):
+            row[:] = [value * _FADE + x * y for value, y in zip(row, features)]
+        self.xty = [value * _FADE + x * step_s for value, x in zip(self.xty, features)]
         self.steps += 1
-        # Refit once both kinds of step were seen (xtx[1, 1] weighs the steps with a prefill, xtx[0, 0] all); a small
+        # Refit once both kinds of step were seen (xtx[1][1] weighs the steps with a prefill, xtx[0][0] all); a small
         # ridge keeps the fit defined while features are collinear (one rank prefilling, or none).
-        if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < self.xtx[1, 1] < self.xtx[0, 0]:
+        if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < self.xtx[1][1] < self.xtx[0][0]:
             return
-        coef = torch.linalg.solve(self.xtx + 1e-6 * torch.eye(5, dtype=torch.float64), self.xty).tolist()
+        xtx = torch.tensor(self.xtx, dtype=torch.float64) + 1e-6 * torch.eye(5, dtype=torch.float64)
+        coef = torch.linalg.solve(xtx, torch.tensor(self.xty, dtype=torch.float64)).tolist()
         self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
         # Judged at full load (every rank at its cap), where the gate acts: does the saving cover one idle slot-step?
         if (holding := self.penalty_s > self.decode_s / full) != self.holding:
