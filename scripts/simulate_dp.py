@@ -188,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gate",
         choices=GATES,
-        help="gate rule when balance is on: 'cap' (some rank at max_num_seqs), 'cap-1' (within one of it) or "
-        "'admit-kv-holding' (cap, but requests holding KV still enter under it, vLLM >= 0.32's PAUSED_NEW)",
+        help="gate rule when balance is on: 'adaptive' (the product's default: holds only up to the measured cost of "
+        "a prefill step), 'cap' (some rank at max_num_seqs), 'cap-1' (within one of it) or 'admit-kv-holding' (cap, "
+        "but requests holding KV still enter under it, vLLM >= 0.32's PAUSED_NEW)",
     )
     group = parser.add_argument_group("deployment (overrides the preset)")
     group.add_argument("--dp-size", type=_positive_int)
