@@ -71,6 +71,9 @@ class BalanceSchedulingMixin:
 
     # Step durations (the adaptive rule's input); the simulator sets its simulated clock.
     balance_clock: Callable[[], float] = staticmethod(time.monotonic)
+    # The last finished step's prefill tokens and microseconds, and when this rank last scheduled or updated: class
+    # defaults, as vLLM's own tests call update_from_output on schedulers whose __init__ they bypass.
+    _balance_step, _balance_marks = (0, 0), (0.0, 0.0)
     # Provided by vLLM's Scheduler.
     vllm_config: VllmConfig
     running: list[Any]
@@ -98,8 +101,6 @@ class BalanceSchedulingMixin:
         self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
         self.balance_rule = gate_rule(self.vllm_config)
         self._balance_hold, self._balance_closed = AdaptiveHold() if self.balance_rule == "adaptive" else None, False
-        # The last finished step's prefill tokens and microseconds, and when this rank last scheduled or updated.
-        self._balance_step, self._balance_marks = (0, 0), (0.0, 0.0)
         self.balance_steps = 0
         self.balance_gated_steps = 0
         # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
