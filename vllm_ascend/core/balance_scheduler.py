@@ -99,6 +99,7 @@ class BalanceSchedulingMixin:
         self._balance_rows = torch.zeros(dp_size, len(ROW), dtype=torch.int32)
         self._balance_counts = self._balance_rows[:, 0]
         self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
+        self._balance_gather_into = list(self._balance_rows.split(1))  # all_gather's output list, made once
         self.balance_rule = gate_rule(self.vllm_config)
         self._balance_hold, self._balance_closed = AdaptiveHold() if self.balance_rule == "adaptive" else None, False
         self.balance_steps = 0
@@ -136,7 +137,7 @@ class BalanceSchedulingMixin:
         if len(self.balance_queue) == 1:
             return
         local = torch.tensor([self.balance_row()], dtype=torch.int32)
-        dist.all_gather(list(self._balance_rows.split(1)), local, group=dp_group)
+        dist.all_gather(self._balance_gather_into, local, group=dp_group)
         self.balance_update()
 
     def balance_update(self) -> None:
