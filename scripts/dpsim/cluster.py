@@ -104,11 +104,9 @@ class _AdmitKVHoldingGate:
     continuations) up to the cap. Kept to measure whether the product should allow that; on
     lines where ``PAUSED_NEW`` admits nothing it is the product's gate."""
 
-    _balance_cap: Any
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._balance_cap = self._balance_cap._replace(held_at_zero=False)
+        self._balance_held_caps = ()  # the caps a gated step holds at 0: none
 
 
 class AdmitKVHoldingScheduler(_AdmitKVHoldingGate, BalanceScheduler):

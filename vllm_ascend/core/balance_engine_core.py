@@ -39,8 +39,6 @@ engine actor ``DPMoEEngineCoreActor`` (a ``DPEngineCoreProc`` too, running the s
 reference: every Ray node needs this package installed.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
@@ -57,6 +55,7 @@ from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
 
 AGREEMENT_TIMEOUT_ENV = "VLLM_ASCEND_BALANCE_AGREEMENT_TIMEOUT_S"
 _AGREEMENT_KEY = "vllm_ascend_balance_scheduling/rank"
+_STATS_LINE = "Balance scheduling stats: dp_rank=%d engine_steps=%d gathers=%d gated_steps=%d"
 
 
 class BalanceDPEngineMixin:
@@ -74,8 +73,7 @@ class BalanceDPEngineMixin:
             # Without a balance scheduler the gate never closes: refuse instead of running
             # silently unbalanced.
             raise RuntimeError(
-                f"{type(self).__qualname__} needs a balance scheduler, but vLLM built "
-                f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}; is the "
+                f"{type(self).__qualname__} needs a balance scheduler, but vLLM built {type(self.scheduler)}; is the "
                 "ascend_balance_scheduling plugin excluded by VLLM_PLUGINS?"
             )
 
@@ -93,14 +91,9 @@ class BalanceDPEngineMixin:
 
     def shutdown(self) -> None:
         # What the gate did, for operators and end-to-end tests (they assert it closed).
-        if isinstance(getattr(self, "scheduler", None), BalanceSchedulingMixin):
-            logger.info(
-                "Balance scheduling stats: dp_rank=%d engine_steps=%d gathers=%d gated_steps=%d",
-                self.dp_rank,
-                self.scheduler.balance_steps,
-                self.balance_gathers,
-                self.scheduler.balance_gated_steps,
-            )
+        if isinstance(scheduler := getattr(self, "scheduler", None), BalanceSchedulingMixin):
+            counts = (scheduler.balance_steps, self.balance_gathers, scheduler.balance_gated_steps)
+            logger.info(_STATS_LINE, self.dp_rank, *counts)
         super().shutdown()
 
 
@@ -148,18 +141,17 @@ def agree_across_dp_group(store: Any, rank: int, vllm_config: VllmConfig) -> Non
     if rank == 0:
         # Rank 0 hosts the store: leaving before every announced peer has read it would cut their check short.
         _wait_for(store, [f"{_AGREEMENT_KEY}{peer}/read" for peer in theirs], timeout_s)
-    if missing:
-        raise RuntimeError(
-            f"Balance scheduling: DP rank {rank} runs balance scheduling, but DP rank(s) {missing} did not announce "
-            f"it within {timeout_s:g} s ({AGREEMENT_TIMEOUT_ENV} sets the wait). Every rank must run it, or none: "
-            "the same switch ('enable_balance_scheduling' in additional_config or VLLM_ASCEND_BALANCE_SCHEDULING), "
-            "the same package, and 'ascend_balance_scheduling' in VLLM_PLUGINS if set, on every node."
-        )
-    raise RuntimeError(
-        f"Balance scheduling: DP rank {rank} has {mine}, but DP rank(s) differ: {differ} ('cap' is max_num_seqs, "
-        "'active_cap' max_num_active_seqs, 'rule' the gate rule, 'code' a digest of the balance scheduling code). Use "
-        "the same --max-num-seqs, --max-num-active-seqs, balance_gate_rule and package on every node."
+    why = (
+        f"DP rank(s) {missing} did not announce it within {timeout_s:g} s ({AGREEMENT_TIMEOUT_ENV} sets the wait). "
+        "Every rank must run it, or none: the same switch ('enable_balance_scheduling' in additional_config or "
+        "VLLM_ASCEND_BALANCE_SCHEDULING), the same package, and 'ascend_balance_scheduling' in VLLM_PLUGINS if set, on "
+        "every node"
+        if missing
+        else f"DP rank(s) differ: {differ} ('cap' is max_num_seqs, 'active_cap' max_num_active_seqs, 'rule' the gate "
+        "rule, 'code' a digest of the balance scheduling code). Use the same --max-num-seqs, --max-num-active-seqs, "
+        "balance_gate_rule and package on every node"
     )
+    raise RuntimeError(f"Balance scheduling: DP rank {rank} runs balance scheduling with {mine}, but {why}.")
 
 
 def _wait_for(store: Any, keys: list[str], timeout_s: float) -> None:

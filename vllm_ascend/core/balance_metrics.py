@@ -27,8 +27,6 @@ value. This logger takes the keys out before vLLM's loggers see the dict. The me
 scheduling is on (the recorded decision); ``docs/metrics.md`` says what each one means.
 """
 
-from __future__ import annotations
-
 from prometheus_client import Counter, Gauge
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase

@@ -29,8 +29,6 @@ numbers: the fixed extra is the ``any prefill`` coefficient of a least-squares f
 the mean of steps without a prefill. Old steps fade out (a half-life of about 700 steps).
 """
 
-from __future__ import annotations
-
 import os
 from collections.abc import Mapping
 
@@ -70,13 +68,10 @@ class AdaptiveHold:
         counts, waiting, prefill, step_us = zip(*rows)
         if longest := max(step_us):
             self._observe(longest / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
-        if max(counts) < cap or not self.holding:
-            self.held_s = 0.0
-            return False
         # One more held step costs the waiting requests it keeps out of free slots, as a share of decode throughput.
         cost_s = self.decode_s * sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap) / max(sum(counts), 1)
-        if self.held_s + cost_s > self.penalty_s:
-            self.held_s = 0.0  # the hold expires: admit now; a new hold starts at the next full rank
+        if max(counts) < cap or not self.holding or self.held_s + cost_s > self.penalty_s:
+            self.held_s = 0.0  # no hold, or it expires: admit now; a new hold starts at the next full rank
             return False
         self.held_s += cost_s
         return True
@@ -96,10 +91,9 @@ class AdaptiveHold:
         self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
         # Judged at full load (every rank at its cap), where the gate acts: does the saving cover one idle slot-step?
         if (holding := self.penalty_s > self.decode_s / full) != self.holding:
-            logger.info(
-                "Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank %.1f ms "
-                "more than a decode step of %d requests (%.1f ms), fitted on the last ~1000 steps.",
-                "holds admissions while a rank is at its cap, up to that cost in idle slots" if holding else
-                "admits without waiting (aligning prefills would save less than it idles)",
-                self.penalty_s * 1e3, running, self.decode_s * 1e3)  # fmt: skip
+            verdict = ("holds admissions while a rank is at its cap, up to that cost in idle slots" if holding else
+                       "admits without waiting (aligning prefills would save less than it idles)")  # fmt: skip
+            logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
+                        "%.1f ms more than a decode step of %d requests (%.1f ms), fitted on the last ~1000 steps.",
+                        verdict, self.penalty_s * 1e3, running, self.decode_s * 1e3)  # fmt: skip
             self.holding = holding

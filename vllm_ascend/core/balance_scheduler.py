@@ -36,8 +36,6 @@ The class is the decision: a balanced class always gates, vLLM's own classes nev
 a process builds is decided once, by the wiring (``patch_balance_schedule``).
 """
 
-from __future__ import annotations
-
 import functools
 import time
 from collections.abc import Callable
@@ -55,11 +53,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 
 from vllm_ascend.core.balance_rule import ROW, AdaptiveHold, gate_rule
-from vllm_ascend.core.balance_seam import CAP_COUNTS, refusal, schedule_seam
+from vllm_ascend.core.balance_seam import CAP_COUNTS, refuse_if, schedule_seam
 
 # The gate's counts ride to the front-end (balance_metrics) under this key prefix in SchedulerStats'
 # running_lora_adapters: a dict[str, int] that vLLM's typed message carries and, without LoRA, nothing else reads.
 STATS_PREFIX = "vllm_ascend_balance:"
+_STATS_KEYS = [STATS_PREFIX + k for k in ("steps", "gated_steps", "waiting_gated_steps", "gate_closed", "gate_rule")]
 
 
 class BalanceSchedulingMixin:
@@ -76,34 +75,31 @@ class BalanceSchedulingMixin:
     _balance_step, _balance_marks = (0, 0), (0.0, 0.0)
     # Provided by vLLM's Scheduler.
     vllm_config: VllmConfig
-    running: list[Any]
-    max_num_running_reqs: int
     _pause_state: PauseState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         seam = schedule_seam(type(self), skip=(BalanceSchedulingMixin,))
-        if seam.problems:
-            raise refusal(
-                f"Balance scheduling cannot gate {type(self).__qualname__}: its schedule() does not honour the "
-                "pause-state seam the gate relies on",
-                seam.problems,
-                "Use a scheduler class that does, or switch balance scheduling off.",
-            )
+        refuse_if(
+            seam.problems,
+            f"Balance scheduling cannot gate {type(self).__qualname__}: its schedule() does not honour the pause-state "
+            "seam the gate relies on",
+            "Use a scheduler class that does, or switch balance scheduling off.",
+        )
         assert seam.cap is not None  # a sound seam admits requests, under a cap
         self._balance_cap = seam.cap
+        # vLLM >= 0.32 drains KV-holding requests under PAUSED_NEW, before its cap test: a gated step holds it at 0.
+        self._balance_held_caps = (seam.cap.attribute,) if seam.cap.held_at_zero else ()
         super().__init__(*args, **kwargs)
         dp_size = self.vllm_config.parallel_config.data_parallel_size
         # One row per DP rank (balance_rule.ROW), gathered in one collective; balance_queue is, as upstream, one
-        # int32 CPU tensor per rank holding its count: views of the rows' first column, so the cap check is a single
-        # max() whatever the DP size. Write in place (all_gather does), never rebind the list's items.
+        # int32 CPU tensor per rank holding its count: views of the rows' first column. Write in place (all_gather
+        # does), never rebind the list's items.
         self._balance_rows = torch.zeros(dp_size, len(ROW), dtype=torch.int32)
-        self._balance_counts = self._balance_rows[:, 0]
         self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
         self._balance_gather_into = list(self._balance_rows.split(1))  # all_gather's output list, made once
         self.balance_rule = gate_rule(self.vllm_config)
         self._balance_hold, self._balance_closed = AdaptiveHold() if self.balance_rule == "adaptive" else None, False
-        self.balance_steps = 0
-        self.balance_gated_steps = 0
+        self.balance_steps, self.balance_gated_steps = 0, 0
         # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
         self.balance_waiting_gated_steps, self._balance_sent = 0, (0, 0, 0)
         if dp_size == 1:
@@ -141,15 +137,16 @@ class BalanceSchedulingMixin:
         self.balance_update()
 
     def balance_update(self) -> None:
-        """The adaptive rule's step, on the gathered rows: the same on every rank (the cap rule needs none)."""
-        if self._balance_hold is not None:
-            self._balance_closed = self._balance_hold.update(self._balance_rows.tolist(), self.balance_gate_threshold)
+        """Decide the gate for the next step from the gathered rows, the same on every rank: closed while some rank
+        is at the threshold (``cap``), and, with the ``adaptive`` rule, until its hold has idled what aligning saves.
+        Decided here, once per gather, so that the step reads a bool (a torch op in the step costs more than it
+        seems: the step's own work evicts torch's dispatcher from the caches)."""
+        rows, cap = self._balance_rows.tolist(), self.balance_gate_threshold
+        hold = self._balance_hold
+        self._balance_closed = hold.update(rows, cap) if hold else max(row[0] for row in rows) >= cap
 
     def balance_gate_closed(self) -> bool:
-        """True when this step must admit no new request: some rank was at the threshold (``cap``), and, with the
-        ``adaptive`` rule, its hold has not yet idled what aligning would save."""
-        if self._balance_hold is None:
-            return int(self._balance_counts.max()) >= self.balance_gate_threshold
+        """True when this step must admit no new request (``balance_update`` decided it)."""
         return self._balance_closed
 
     def update_from_output(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
@@ -172,15 +169,12 @@ class BalanceSchedulingMixin:
         self.balance_waiting_gated_steps += self.get_request_counts()[1] > 0
         # Set directly: set_pause_state is the public "real pause" API (and logs in newer vLLM).
         self._pause_state = PauseState.PAUSED_NEW
-        cap = self._balance_cap.attribute if self._balance_cap.held_at_zero else None
-        cap_value = getattr(self, cap) if cap else None
-        if cap:  # vLLM >= 0.32 drains KV-holding requests under PAUSED_NEW; a cap of 0 admits nothing
-            setattr(self, cap, 0)
+        held = {cap: getattr(self, cap) for cap in self._balance_held_caps}
+        vars(self).update(dict.fromkeys(held, 0))
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
-            if cap:
-                setattr(self, cap, cap_value)
+            vars(self).update(held)
             if self._pause_state == PauseState.PAUSED_NEW:
                 self._pause_state = PauseState.UNPAUSED
 
@@ -190,14 +184,10 @@ class BalanceSchedulingMixin:
         stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
         if stats is not None:
             now = (self.balance_steps, self.balance_gated_steps, self.balance_waiting_gated_steps)
-            values = [n - sent for n, sent in zip(now, self._balance_sent)]
             # The rule in force: 0 cap, 1 adaptive and holding, 2 adaptive and not (ints: a bool would not decode).
-            values += [
-                int(self.balance_gate_closed()),
-                self._balance_hold and 2 - bool(self._balance_hold.holding) or 0,
-            ]
-            keys = ("steps", "gated_steps", "waiting_gated_steps", "gate_closed", "gate_rule")
-            stats.running_lora_adapters.update(zip((STATS_PREFIX + key for key in keys), values))
+            rule = self._balance_hold and 2 - bool(self._balance_hold.holding) or 0
+            values = (*(n - sent for n, sent in zip(now, self._balance_sent)), int(self._balance_closed), rule)
+            stats.running_lora_adapters.update(zip(_STATS_KEYS, values))
             self._balance_sent = now
         return stats
 

@@ -56,8 +56,6 @@ binds the balanced actor where the launcher imports the class. That holds while 
 6. ``EngineCoreActorMixin.run`` (the actor's entry) calls ``self.run_busy_loop()``.
 """
 
-from __future__ import annotations
-
 import ast
 import functools
 import importlib
@@ -102,20 +100,17 @@ def method_node(tree: ast.Module, owner: str, name: str) -> ast.FunctionDef | No
 # Calls that take a request off a waiting queue (with the helper that picks the queue, 0.18-0.30).
 _TAKES_WAITING = ("pop_request", "peek_request", "_select_waiting_queue_for_scheduling")
 _UNPAUSED = ("self._pause_state == PauseState.UNPAUSED", "self._pause_state is PauseState.UNPAUSED")
-_ALLOWED_PAUSE_TESTS = (
-    *_UNPAUSED,
-    "self._pause_state == PauseState.PAUSED_ALL",
-    "self._pause_state != PauseState.PAUSED_ALL",  # >= 0.32: the admission block, which PAUSED_NEW enters
-)
+# != PAUSED_ALL: vLLM >= 0.32's admission block, which PAUSED_NEW enters.
+_ALLOWED_PAUSE_TESTS = (*_UNPAUSED, *(f"self._pause_state {op} PauseState.PAUSED_ALL" for op in ("==", "!=")))
 # The admission cap: ``if <count> >= self.<cap>: break`` (``==`` up to 0.23) in the admission loop.
 _CAPS = ("max_num_running_reqs", "max_num_active_reqs")
 # Each count a known vLLM compares with its cap (a local name read as its assignment), and how the gather computes
 # it: the gate closes when some rank's count reaches the cap, on the same terms as vLLM's own admission.
 CAP_COUNTS: dict[str, Callable[[Any], int]] = {
-    "len(self.running)": lambda scheduler: len(scheduler.running),  # 0.18, 0.23
-    "len(self.running) + self.num_waiting_for_streaming_input": (  # >= 0.27: paused streams hold a slot
-        lambda scheduler: len(scheduler.running) + scheduler.num_waiting_for_streaming_input
-    ),
+    "len(self.running)": lambda s: len(s.running),  # 0.18, 0.23
+    # >= 0.27: paused streams hold a slot
+    "len(self.running) + self.num_waiting_for_streaming_input": lambda s: len(s.running)
+    + s.num_waiting_for_streaming_input,
 }
 
 
@@ -148,9 +143,7 @@ def _requires_unpaused(test: ast.AST) -> bool:
 def _cap_test(node: ast.AST | None) -> tuple[ast.expr, str, bool] | None:
     """``(count, cap attribute, whether it is a >= test)`` when ``node`` is ``if <count> >= self.<cap>: break`` (or
     ``==``, up to 0.23: a test a cap held at 0 would not stop)."""
-    if not (isinstance(node, ast.If) and [type(s) for s in node.body] == [ast.Break]):
-        return None
-    test = node.test
+    test = node.test if isinstance(node, ast.If) and [type(s) for s in node.body] == [ast.Break] else None
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.GtE, ast.Eq))):
         return None
     cap = next((cap for cap in _CAPS if _is(test.comparators[0], f"self.{cap}")), None)
@@ -345,6 +338,7 @@ def ray_seam_problems(core_source: str | None = None, launcher_source: str | Non
     return problems
 
 
-def refusal(headline: str, problems: list[str], remedy: str) -> RuntimeError:
-    """The error that refuses balance scheduling because a seam check found ``problems``."""
-    return RuntimeError(f"{headline}:\n  - " + "\n  - ".join(problems) + f"\n{remedy}")
+def refuse_if(problems: list[str], headline: str, remedy: str) -> None:
+    """Refuse balance scheduling, loudly, when a seam check found ``problems``."""
+    if problems:
+        raise RuntimeError(f"{headline}:\n  - " + "\n  - ".join(problems) + f"\n{remedy}")

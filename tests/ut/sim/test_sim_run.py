@@ -193,6 +193,7 @@ def test_gate_rule_reaches_the_schedulers(tiny_model: Path, gate: str, threshold
     assert all(type(s) is scheduler_class(True, async_scheduling, gate) for s in cluster.schedulers)
     assert cluster.schedulers[0].balance_gate_threshold == threshold
     cluster.schedulers[1].balance_queue[0].fill_(threshold)
+    cluster.schedulers[1].balance_update()
     assert cluster.schedulers[1].balance_gate_closed()
 
 

@@ -37,8 +37,6 @@ everything is left as vllm-ascend set it:
   while the wiring decides, and gives the copy back if the decision is off.
 """
 
-from __future__ import annotations
-
 import ast
 import functools
 import importlib
@@ -62,6 +60,7 @@ COPYING_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
 # What replaces EngineCoreProc.run_engine_core at import: the copy, and on vllm-ascend main DyntraLB's wrapper of it
 # (main refuses DyntraLB with balance scheduling on, so the wrapper would only delegate to the copy).
 REPLACING_MODULES = (COPYING_MODULE, "vllm_ascend.patch.platform.patch_dyntra_lb_core")
+_REBUILT = "Balance scheduling is on: %s replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own from %s."
 
 
 def register() -> None:
@@ -81,10 +80,8 @@ def _copy_free_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) ->
     def get_scheduler_cls(self: SchedulerConfig) -> type:
         if not wiring.recorded_decision(self):
             return original(self)
-        own = vllm_scheduler_module.__name__
-        genuine = next(
-            k for k in vllm_scheduler_module.Scheduler.__mro__ if (k.__module__, k.__name__) == (own, "Scheduler")
-        )
+        mro, own = vllm_scheduler_module.Scheduler.__mro__, vllm_scheduler_module.__name__
+        genuine = next(k for k in mro if (k.__module__, k.__name__) == (own, "Scheduler"))
         if vllm_scheduler_module.Scheduler is not genuine:
             logger.info(
                 "Balance scheduling is on: restoring vLLM's Scheduler, which %s rebound to its copy.", COPYING_MODULE
@@ -118,11 +115,7 @@ def _copy_free_post_init(original: Callable[..., None]) -> Callable[..., None]:
             original(self, *args, **kwargs)
         finally:
             if EngineCoreProc.run_engine_core is wiring.run_engine_core:
-                logger.info(
-                    "Balance scheduling is on: %s replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own from %s.",
-                    replaced_by,
-                    engine_core_module.__file__,
-                )
+                logger.info(_REBUILT, replaced_by, engine_core_module.__file__)
             else:
                 EngineCoreProc.run_engine_core = copy  # balance off: as vllm-ascend left it
 
@@ -137,11 +130,8 @@ def _rebuilt_vllm_run_engine_core() -> FunctionType:
     if definition is None:
         raise RuntimeError(f"{engine_core_module.__file__} defines no EngineCoreProc.run_engine_core")
     namespace: dict[str, Any] = {}
-    exec(
-        compile(ast.Module(body=[definition], type_ignores=[]), engine_core_module.__file__, "exec"),
-        vars(engine_core_module),
-        namespace,
-    )
+    code = compile(ast.Module(body=[definition], type_ignores=[]), engine_core_module.__file__, "exec")
+    exec(code, vars(engine_core_module), namespace)
     # Its staticmethod decorator was kept, so every line number is the original's.
     function: FunctionType = namespace["run_engine_core"].__func__
     function.__qualname__ = "EngineCoreProc.run_engine_core"

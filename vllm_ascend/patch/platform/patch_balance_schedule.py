@@ -50,8 +50,6 @@ Ray pickles it by reference, so every Ray node imports it from this package. Ela
 scale-up would join a group whose running ranks never run the start-up agreement again.
 """
 
-from __future__ import annotations
-
 import functools
 import os
 from collections.abc import Callable, Mapping
@@ -94,8 +92,8 @@ def balance_scheduling_flag() -> bool:
 
 def switches(vllm_config: VllmConfig) -> list[tuple[str, bool]]:
     """Every switch that is set, as ``(what the user wrote, value)``, most specific first; each one checked."""
-    additional = vllm_config.additional_config
-    additional = additional if isinstance(additional, Mapping) else {}  # vLLM allows other objects for plugins
+    # vLLM allows other objects for plugins.
+    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, Mapping) else {}
     found = []
     for label, holder in ((NESTED_SWITCH, additional.get("scheduler_config")), (TOP_LEVEL_SWITCH, additional)):
         if isinstance(holder, Mapping) and BALANCE_SCHEDULING_CONFIG_KEY in holder:
@@ -122,8 +120,7 @@ def decide(vllm_config: VllmConfig) -> bool:
         source += f" (deprecated by vllm-ascend main in favour of {SWITCH_EXAMPLE})"
     if ignored := [label for label, value in others if value != enabled]:
         source += f"; {', '.join(ignored)} is ignored (the more specific switch wins)"
-    named = vllm_config.scheduler_config.scheduler_cls
-    if _names_balanced_class(named):
+    if _names_balanced_class(named := vllm_config.scheduler_config.scheduler_cls):
         if first and not enabled:
             raise ValueError(
                 f"scheduler_cls={named!r} is a balance scheduling class, but balance scheduling is switched off "
@@ -238,15 +235,14 @@ def install_engine_route() -> None:
     global _vllm_run_engine_core
     if EngineCoreProc.run_engine_core is run_engine_core:
         return
-    from vllm_ascend.core.balance_seam import engine_seam_problems, refusal
+    from vllm_ascend.core.balance_seam import engine_seam_problems, refuse_if
 
-    if problems := engine_seam_problems():
-        raise refusal(
-            "Balance scheduling is on, but the installed vLLM's engine core no longer offers the seam the balance "
-            "gather relies on (one gather per active DP engine step)",
-            problems,
-            f"For this vLLM, {SWITCHES_OFF}.",
-        )
+    refuse_if(
+        engine_seam_problems(),
+        "Balance scheduling is on, but the installed vLLM's engine core no longer offers the seam the balance "
+        "gather relies on (one gather per active DP engine step)",
+        f"For this vLLM, {SWITCHES_OFF}.",
+    )
     _vllm_run_engine_core = vllm_run_engine_core()
     EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
 
@@ -254,15 +250,14 @@ def install_engine_route() -> None:
 def install_ray_route() -> None:
     """Front-end side, Ray DP backend: vLLM's actor launcher builds the balanced actor (idempotent)."""
     from vllm_ascend.core.balance_engine_core import BalanceDPMoEEngineCoreActor
-    from vllm_ascend.core.balance_seam import ray_seam_problems, refusal
+    from vllm_ascend.core.balance_seam import ray_seam_problems, refuse_if
 
-    if problems := ray_seam_problems():
-        raise refusal(
-            "Balance scheduling is on with data_parallel_backend='ray', but the installed vLLM's Ray DP engine "
-            "actors no longer offer the seam the balance gather relies on",
-            problems,
-            f"Use the multiprocessing DP backend (the default) or {SWITCHES_OFF}.",
-        )
+    refuse_if(
+        ray_seam_problems(),
+        "Balance scheduling is on with data_parallel_backend='ray', but the installed vLLM's Ray DP engine "
+        "actors no longer offer the seam the balance gather relies on",
+        f"Use the multiprocessing DP backend (the default) or {SWITCHES_OFF}.",
+    )
     engine_core_module.DPMoEEngineCoreActor = BalanceDPMoEEngineCoreActor
 
 
