@@ -7,20 +7,26 @@
 # test-only fixes of tests/e2e_cpu/real_forward). Sets up (or reuses) the line's environment first, like
 # scripts/test.sh.
 #
-#   scripts/online_e2e.sh [LINE] [pytest args...]     LINE = v0.18.0 (default), v0.23.0, main or v0.32.0-cpu
+# With `ray` after the line: the same serving test on vLLM's Ray DP backend, over a two-node Ray cluster the test
+# starts on this machine (tests/e2e_cpu/test_ray_dp.py).
+#
+#   scripts/online_e2e.sh [LINE] [ray] [pytest args...]     LINE = v0.18.0 (default), v0.23.0, main, v0.33.0 or v0.32.0-cpu
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 line="v0.18.0"
 if [ $# -gt 0 ] && [[ "$1" == v* || "$1" == main ]]; then line="$1"; shift; fi
+backend=mp
+if [ $# -gt 0 ] && [ "$1" = ray ]; then backend=ray; shift; fi
 venv="$("$root/scripts/bootstrap.sh" "$line")"
 cd "$root"
 start=$SECONDS
 status=0
 # -s: each test prints its measured line (start-up, requests, gated steps per rank, run time).
-case "$line" in
+case "$backend:$line" in
+  ray:*) tests=tests/e2e_cpu/test_ray_dp.py ;;
   *-cpu) tests=tests/e2e_cpu/test_real_forward.py ;;
   *) tests=tests/e2e_cpu/test_online_serving.py ;;
 esac
 "$venv/bin/pytest" -p no:cacheprovider -s -rxXs "$tests" "$@" || status=$?
-echo "online e2e ($line): wall $((SECONDS - start)) s, pytest exit $status"
+echo "online e2e ($line, $backend): wall $((SECONDS - start)) s, pytest exit $status"
 exit "$status"

@@ -51,6 +51,10 @@ from test_online_serving import ENGINE_ARGS
 from tiny_model import write_tiny_moe_model
 
 DP_SIZE = 2
+# Two loopback addresses, one per Ray node: Ray 2.60 replaces 127.0.0.1 (only that one) by the machine's address
+# (resolve_ip_for_localhost), and vLLM 0.33's DP placement wants one head node per IP. The driver (vllm serve)
+# resolves its node IP to the head's.
+HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
 # Two short bursts (concurrency 12 > DP x max_num_seqs = 8, so the gate closes in each) and one idle gap.
 WAVES = [Wave(num_prompts=24, max_concurrency=12, json_requests=2), Wave(num_prompts=16, max_concurrency=12)]
 IDLE_GAP_S = 2.0
@@ -126,14 +130,14 @@ def ray_cluster(workdir: Path, second_node_pythonpath: str | None = None) -> Ite
     port, nodes, logs = free_port(), [], [workdir / "ray-head.log", workdir / "ray-node1.log"]
     try:
         head_args = ["--head", "--port", str(port), "--temp-dir", str(temp_dir), "--include-dashboard", "false"]
-        head_args += ["--ray-client-server-port", str(free_port()), "--node-ip-address", "127.0.0.1"]
+        head_args += ["--ray-client-server-port", str(free_port()), "--node-ip-address", HEAD_IP]
         nodes.append(_ray_start(head_args, logs[0], env))
         node_ip = re.search(r"Local node IP: (\S+)", logs[0].read_text()).group(1)
-        # Test traffic stays on loopback: Ray 2.60 registered eth0's address despite --node-ip-address here, and
-        # the next node, vLLM's DP master and every request would follow it. Stop before any of them starts.
+        # Test traffic stays on loopback: the next node, vLLM's DP master and every request follow the head's IP.
         assert ipaddress.ip_address(node_ip).is_loopback, f"the Ray head registered {node_ip}, not a loopback address"
         node_env = dict(env, PYTHONPATH=second_node_pythonpath) if second_node_pythonpath else env
-        nodes.append(_ray_start(["--address", f"{node_ip}:{port}"], logs[1], node_env))
+        node_args = ["--address", f"{node_ip}:{port}", "--node-ip-address", NODE_IP]
+        nodes.append(_ray_start(node_args, logs[1], node_env))
         cluster = RayCluster(f"{node_ip}:{port}", node_ip, nodes, logs)
         yield cluster
     finally:
@@ -215,9 +219,14 @@ def test_ray_dp_waves(model_dir: Path, cluster: RayCluster, tmp_path: Path, bala
     actors, checks = actor_lines(log), gate_checks(log)
     assert not gate_violations(log), f"a rank admitted while the gate was closed: {gate_violations(log)}"
     if balance:
-        assert len(actors) == DP_SIZE and all(
-            a == {"class": "BalanceDPMoEEngineCoreActor", "agreement": "BalanceDPMoEEngineCoreActor"}
-            for a in actors.values()
+        # Every actor's agreement line, which Ray prefixes with the actor's class. The class line the mixin logs
+        # before construction is there too where the actor's logging is already set up: vLLM >= 0.33 configures it
+        # in EngineCoreActorMixin.__init__, which runs after that line, so there it is dropped.
+        balanced = "BalanceDPMoEEngineCoreActor"
+        assert (
+            len(actors) == DP_SIZE
+            and all(a["agreement"] == a.get("class", balanced) == balanced for a in actors.values() if "agreement" in a)
+            and all("agreement" in a for a in actors.values())
         ), f"not every actor is balanced and agreed: {actors}"
         # The gate check's count of closed steps, or the stats line where vLLM let an actor log it before killing it.
         gated = {rank: c["closed_steps"] for rank, c in checks.items()}
@@ -271,14 +280,14 @@ def _refused_start(model_dir: Path, workdir: Path, node_package: Path) -> tuple[
 
 def _node_package(root: Path, other_code: bool) -> Path:
     """A ``vllm_ascend`` package that shadows the installed one on a node: empty (the package is missing there), or
-    this package's three balance modules with the engine core's changed by one comment (another release of it)."""
+    this package's four balance modules with the engine core's changed by one comment (another release of it)."""
     installed = Path(sysconfig.get_paths()["purelib"]) / "vllm_ascend" / "core"
     core = root / "vllm_ascend" / "core"
     core.mkdir(parents=True)
     (root / "vllm_ascend" / "__init__.py").write_text("")
     if other_code:
         (core / "__init__.py").write_text("")
-        for name in ("balance_scheduler.py", "balance_seam.py", "balance_engine_core.py"):
+        for name in ("balance_scheduler.py", "balance_seam.py", "balance_rule.py", "balance_engine_core.py"):
             shutil.copy(installed / name, core / name)
         with open(core / "balance_engine_core.py", "a") as module:
             module.write("# another release of the balance scheduling package\n")
@@ -289,9 +298,8 @@ def test_a_node_with_other_balance_code_fails_the_agreement(model_dir: Path, tmp
     """Both actors run balance scheduling, but the second node's package differs: every rank refuses at once, naming
     the other rank and 'code', and the head's start-up fails with that error."""
     log, failed_s = _refused_start(model_dir, tmp_path, _node_package(tmp_path / "node-package", other_code=True))
-    refusals = re.findall(
-        r"Balance scheduling: DP rank (\d) has \{[^}]*\}, but DP rank\(s\) differ: \{(\d): \{'code'", log
-    )
+    refusal = r"Balance scheduling: DP rank (\d) runs balance scheduling with \{[^}]*\}, but DP rank\(s\) differ: "
+    refusals = re.findall(refusal + r"\{(\d): \{'code'", log)
     assert {rank for rank, _ in refusals} == {"0", "1"} and all(a != b for a, b in refusals), (
         f"not every rank refused naming the other's code:\n{log[-6000:]}"
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 from export_patches import ExportError, Manifest, PatchSpec, _matches, load_manifest
@@ -100,6 +101,17 @@ except ExportError as error:
     PROJECT = None
     UNAVAILABLE = f"no patch manifest for the installed vllm-ascend: {error}".replace("\n", " ")
 needs_release = pytest.mark.skipif(PROJECT is None, reason=UNAVAILABLE or "")
+
+
+def on_its_own_line(path: Path) -> Manifest:
+    """The series manifest at ``path``, or a skip unless it is the installed line's: these checks do not depend on
+    the installed vLLM, so each series is checked once, on its own line (CI runs every line), not on all five."""
+    manifest = load_manifest(path)
+    if PROJECT is None or PROJECT.path.resolve() != manifest.path.resolve():
+        pytest.skip(f"{manifest.path.name} is checked on its own line (vllm-ascend {manifest.version})")
+    return manifest
+
+
 # A line cut against a commit (vllm-ascend main, [base] archive) has no releases, so no post-releases.
 has_post_releases = pytest.mark.skipif(
     PROJECT is not None and PROJECT.archive is not None,

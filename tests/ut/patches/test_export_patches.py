@@ -36,6 +36,7 @@ from release_manifest import (
     WIRING_SOURCE,
     WIRING_TARGET,
     needs_release,
+    on_its_own_line,
     wiring_target,
 )
 
@@ -66,7 +67,7 @@ def test_there_is_a_manifest_for_the_installed_release() -> None:
 @pytest.mark.parametrize("path", PROJECT_MANIFESTS, ids=lambda p: p.stem)
 def test_the_project_manifest_classifies_every_file_in_its_scope(path: Path) -> None:
     """A new file under vllm_ascend/ or tests/ must be exported or excluded explicitly."""
-    manifest = load_manifest(path)
+    manifest = on_its_own_line(path)
     patches = resolve(manifest, REPO_ROOT)
     targets = {path for patch in patches for path in patch.files}
     assert "vllm_ascend/core/balance_scheduler.py" in targets
@@ -78,7 +79,7 @@ def test_the_project_manifest_classifies_every_file_in_its_scope(path: Path) -> 
 def test_the_project_tests_import_what_the_series_adds_and_keep_vllm_ascends_name(path: Path) -> None:
     """Rewritten tests import only modules the series exports (never vllm-ascend's copying
     module unless the series replaces it), and strings naming that module stay as written."""
-    manifest = load_manifest(path)
+    manifest = on_its_own_line(path)
     patches = resolve(manifest, REPO_ROOT)
     targets = {target for patch in patches for target in patch.files}
     exported_modules = {_module_of(t) for t in targets}

@@ -30,7 +30,7 @@ from export_patches import (
     load_manifest,
     resolve,
 )
-from release_manifest import PROJECT
+from release_manifest import on_its_own_line
 from release_tree import fake_sdist, patched_tree
 
 MANIFESTS = sorted(PATCHES_DIR.glob("*.toml"))
@@ -157,7 +157,7 @@ def test_a_repository_without_the_tag_is_refused(small: tuple[Path, Path], tmp_p
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.stem)
 def test_every_series_registers_its_e2e_test_in_upstreams_suite_config(path: Path) -> None:
-    manifest = load_manifest(path)
+    manifest = on_its_own_line(path)
     (target,) = [p for p in resolve(manifest) for t, s in p.sources.items() if s == E2E_SOURCE]
     e2e_path = next(t for t, s in target.sources.items() if s == E2E_SOURCE)
     edits = [e for e in target.spec.edits if e.path.startswith(SCRIPTS + "/")]
@@ -172,13 +172,8 @@ def test_every_series_registers_its_e2e_test_in_upstreams_suite_config(path: Pat
 # ------------------------------------ the committed series, applied to the release's tree, upstream's scripts
 @pytest.fixture(scope="module", params=MANIFESTS, ids=lambda p: p.stem)
 def patched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """(a clone at the manifest's tag with the committed series applied, the e2e test's path in it).
-
-    Each series is checked on its own line only: the checks do not depend on the installed vLLM, and a tree per
-    series per line would cost CI minutes for nothing."""
-    manifest = load_manifest(request.param)
-    if PROJECT is None or PROJECT.path.resolve() != manifest.path.resolve():
-        pytest.skip(f"{manifest.path.name} is checked on its own line (vllm-ascend {manifest.version})")
+    """(a clone at the manifest's tag with the committed series applied, the e2e test's path in it)."""
+    manifest = on_its_own_line(request.param)
     workdir = tmp_path_factory.mktemp(manifest.tag)
     clone = patched_tree(manifest, REPO_ROOT, workdir)
     (e2e_path,) = [t for p in resolve(manifest) for t, s in p.sources.items() if s == E2E_SOURCE]
