@@ -68,10 +68,13 @@ class AdaptiveHold:
         counts, waiting, prefill, step_us = zip(*rows)
         if longest := max(step_us):
             self._observe(longest / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
+        if max(counts) < cap or not self.holding:
+            self.held_s = 0.0
+            return False
         # One more held step costs the waiting requests it keeps out of free slots, as a share of decode throughput.
         cost_s = self.decode_s * sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap) / max(sum(counts), 1)
-        if max(counts) < cap or not self.holding or self.held_s + cost_s > self.penalty_s:
-            self.held_s = 0.0  # no hold, or it expires: admit now; a new hold starts at the next full rank
+        if self.held_s + cost_s > self.penalty_s:
+            self.held_s = 0.0  # the hold expires: admit now; a new hold starts at the next full rank
             return False
         self.held_s += cost_s
         return True

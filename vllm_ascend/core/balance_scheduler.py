@@ -141,8 +141,7 @@ class BalanceSchedulingMixin:
         is at the threshold (``cap``), and, with the ``adaptive`` rule, until its hold has idled what aligning saves.
         Decided here, once per gather, so that the step reads a bool (a torch op in the step costs more than it
         seems: the step's own work evicts torch's dispatcher from the caches)."""
-        rows, cap = self._balance_rows.tolist(), self.balance_gate_threshold
-        hold = self._balance_hold
+        rows, cap, hold = self._balance_rows.tolist(), self.balance_gate_threshold, self._balance_hold
         self._balance_closed = hold.update(rows, cap) if hold else max(row[0] for row in rows) >= cap
 
     def balance_gate_closed(self) -> bool:
