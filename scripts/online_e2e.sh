@@ -10,7 +10,8 @@
 # With `ray` after the line: the same serving test on vLLM's Ray DP backend, over a two-node Ray cluster the test
 # starts on this machine (tests/e2e_cpu/test_ray_dp.py).
 #
-#   scripts/online_e2e.sh [LINE] [ray] [pytest args...]     LINE = v0.18.0 (default), v0.23.0, main, v0.33.0 or v0.32.0-cpu
+#   scripts/online_e2e.sh [LINE] [ray] [pytest args...]
+#   LINE = v0.18.0 (default), v0.23.0, main, v0.33.0 or v0.32.0-cpu
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 line="v0.18.0"
