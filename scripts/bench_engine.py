@@ -155,8 +155,23 @@ def counters(trace: dict[int, list[dict[str, Any]]], since: dict[int, int]) -> d
         "mean_running": statistics.fmean(r["running"] for rs in by_it.values() for r in rs) if steps else 0.0,
         "step_ms_decode": _mean_ms(by_it, prefill=False),
         "step_ms_prefill": _mean_ms(by_it, prefill=True),
+        # The balance gather's own cost per step (0 with balance off), and the whole iteration's period (median of
+        # the time between one schedule() and the next on rank 0: the step, the gather and the loop around them).
+        "gather_ms": _mean_gather_ms(by_it),
+        "period_ms": _median_period_ms(by_it),
         "records": [r for rs in by_it.values() for r in rs],
     }
+
+
+def _mean_gather_ms(by_it: dict[int, list[dict[str, Any]]]) -> float:
+    gathers = [r["gather_s"] for rs in by_it.values() for r in rs if "gather_s" in r]
+    return statistics.fmean(gathers) * 1000 if gathers else 0.0
+
+
+def _median_period_ms(by_it: dict[int, list[dict[str, Any]]]) -> float:
+    starts = {it: r["t"] for it, rs in by_it.items() for r in rs if r["rank"] == 0}
+    periods = [starts[it + 1] - t for it, t in starts.items() if it + 1 in starts]
+    return statistics.median(periods) * 1000 if periods else 0.0
 
 
 def _mean_ms(by_it: dict[int, list[dict[str, Any]]], prefill: bool) -> float:
@@ -227,9 +242,10 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
                 values = [r[metric] for r in mine]
                 row[metric] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
             row["engine"] = {
-                key: statistics.median(r["engine"][key] for r in mine)
+                key: statistics.median(r["engine"].get(key, 0.0) for r in mine)
                 for key in ("steps", "gated_steps", "admission_steps", "prefill_steps", "idle_slots_gated",
-                            "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill")
+                            "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill", "gather_ms",
+                            "period_ms")
             }  # fmt: skip
             base, base_runs = base or row, base_runs or mine
             row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
@@ -244,7 +260,7 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'regime':<17} {'arm':>18} " + " ".join(f"{LABELS[m]:>22}" for m in METRICS)
-    head += "  steps gated admit prefill idle-slots"
+    head += "  steps gated admit prefill idle-slots gather-ms period-ms"
     print(head)
     for row in rows:
         cells = []
@@ -255,7 +271,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['regime']:<17} {row['arm']:>18} " + " ".join(f"{c:>22}" for c in cells)
             + f"  {e['steps']:5.0f} {e['gated_steps']:5.0f} {e['admission_steps']:5.0f} {e['prefill_steps']:7.0f}"
-            f" {e['idle_slots_gated']:10.0f}"
+            f" {e['idle_slots_gated']:10.0f} {e['gather_ms']:9.2f} {e['period_ms']:9.1f}"
         )  # fmt: skip
 
 
@@ -279,7 +295,8 @@ def explain(rows: list[dict[str, Any]]) -> list[str]:
             f"Gate closed in {eb['gated_steps']:.0f} of {eb['steps']:.0f} steps, a request waiting in "
             f"{eb['waiting_gated']:.0f} rank-steps, {eb['idle_slots_gated']:.0f} slot-steps idle under it "
             f"(~{idle_fraction:.1%} of the running slot-steps); mean running per rank {eo['mean_running']:.1f} off, "
-            f"{eb['mean_running']:.1f} on."
+            f"{eb['mean_running']:.1f} on. The gather took {eb['gather_ms']:.2f} ms per step; the median iteration "
+            f"{eo['period_ms']:.1f} ms off, {eb['period_ms']:.1f} ms on."
         )
     return lines
 

@@ -36,6 +36,11 @@ def install() -> None:
 
     Scheduler.schedule = _traced_schedule(Scheduler.schedule)  # type: ignore[method-assign]
     DPEngineCoreProc._has_global_unfinished_reqs = _counted_sync(DPEngineCoreProc._has_global_unfinished_reqs)
+    try:
+        from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
+    except ImportError:  # the package is not installed: nothing balanced to time
+        return
+    BalanceSchedulingMixin.balance_gather = _timed_gather(BalanceSchedulingMixin.balance_gather)  # type: ignore
 
 
 def _traced_schedule(schedule: Any) -> Any:
@@ -67,6 +72,8 @@ def _traced_schedule(schedule: Any) -> Any:
             "cap": self.max_num_running_reqs,
             "rank": self.vllm_config.parallel_config.data_parallel_rank,
         }
+        if "gather_s" in _state:
+            _state["pending"]["gather_s"] = _state.pop("gather_s")
         return output
 
     return traced
@@ -84,6 +91,16 @@ def _counted_sync(method: Any) -> Any:
         return result
 
     return counted
+
+
+def _timed_gather(gather: Any) -> Any:
+    @functools.wraps(gather)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> None:
+        started = time.monotonic()
+        gather(self, *args, **kwargs)
+        _state["gather_s"] = time.monotonic() - started
+
+    return timed
 
 
 def _flush() -> None:
