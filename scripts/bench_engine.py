@@ -155,10 +155,11 @@ def counters(trace: dict[int, list[dict[str, Any]]], since: dict[int, int]) -> d
         "mean_running": statistics.fmean(r["running"] for rs in by_it.values() for r in rs) if steps else 0.0,
         "step_ms_decode": _mean_ms(by_it, prefill=False),
         "step_ms_prefill": _mean_ms(by_it, prefill=True),
-        # The balance gather's own cost per step (0 with balance off), and the whole iteration's period (median of
-        # the time between one schedule() and the next on rank 0: the step, the gather and the loop around them).
+        # The time a rank spends in the balance gather (0 with balance off) is mostly the faster rank waiting for
+        # the slower one, which it would otherwise do in the next step's collectives; what the gather adds is in
+        # loop_ms: the time the slowest rank spends outside its step (gather, busy loop, input), median per step.
         "gather_ms": _mean_gather_ms(by_it),
-        "period_ms": _median_period_ms(by_it),
+        "loop_ms": _median_loop_ms(by_it),
         "records": [r for rs in by_it.values() for r in rs],
     }
 
@@ -168,10 +169,15 @@ def _mean_gather_ms(by_it: dict[int, list[dict[str, Any]]]) -> float:
     return statistics.fmean(gathers) * 1000 if gathers else 0.0
 
 
-def _median_period_ms(by_it: dict[int, list[dict[str, Any]]]) -> float:
-    starts = {it: r["t"] for it, rs in by_it.items() for r in rs if r["rank"] == 0}
-    periods = [starts[it + 1] - t for it, t in starts.items() if it + 1 in starts]
-    return statistics.median(periods) * 1000 if periods else 0.0
+def _median_loop_ms(by_it: dict[int, list[dict[str, Any]]]) -> float:
+    """Per step with work: the least, over ranks, of the time from the end of a rank's step to its next schedule()."""
+    outside = []
+    for it, records in by_it.items():
+        following = {r["rank"]: r["t"] for r in by_it.get(it + 1, [])}
+        ends = [following[r["rank"]] - r["t"] - r["dt"] for r in records if "dt" in r and r["rank"] in following]
+        if len(ends) == DP_SIZE and any(r["running"] for r in records):
+            outside.append(min(ends))
+    return statistics.median(outside) * 1000 if outside else 0.0
 
 
 def _mean_ms(by_it: dict[int, list[dict[str, Any]]], prefill: bool) -> float:
@@ -245,7 +251,7 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
                 key: statistics.median(r["engine"].get(key, 0.0) for r in mine)
                 for key in ("steps", "gated_steps", "admission_steps", "prefill_steps", "idle_slots_gated",
                             "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill", "gather_ms",
-                            "period_ms")
+                            "loop_ms")
             }  # fmt: skip
             base, base_runs = base or row, base_runs or mine
             row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
@@ -260,7 +266,7 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'regime':<17} {'arm':>18} " + " ".join(f"{LABELS[m]:>22}" for m in METRICS)
-    head += "  steps gated admit prefill idle-slots gather-ms period-ms"
+    head += "  steps gated admit prefill idle-slots gather-ms loop-ms"
     print(head)
     for row in rows:
         cells = []
@@ -271,7 +277,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['regime']:<17} {row['arm']:>18} " + " ".join(f"{c:>22}" for c in cells)
             + f"  {e['steps']:5.0f} {e['gated_steps']:5.0f} {e['admission_steps']:5.0f} {e['prefill_steps']:7.0f}"
-            f" {e['idle_slots_gated']:10.0f} {e['gather_ms']:9.2f} {e['period_ms']:9.1f}"
+            f" {e['idle_slots_gated']:10.0f} {e['gather_ms']:9.2f} {e['loop_ms']:7.2f}"
         )  # fmt: skip
 
 
@@ -295,8 +301,8 @@ def explain(rows: list[dict[str, Any]]) -> list[str]:
             f"Gate closed in {eb['gated_steps']:.0f} of {eb['steps']:.0f} steps, a request waiting in "
             f"{eb['waiting_gated']:.0f} rank-steps, {eb['idle_slots_gated']:.0f} slot-steps idle under it "
             f"(~{idle_fraction:.1%} of the running slot-steps); mean running per rank {eo['mean_running']:.1f} off, "
-            f"{eb['mean_running']:.1f} on. The gather took {eb['gather_ms']:.2f} ms per step; the median iteration "
-            f"{eo['period_ms']:.1f} ms off, {eb['period_ms']:.1f} ms on."
+            f"{eb['mean_running']:.1f} on. A rank waited {eb['gather_ms']:.2f} ms per step in the gather; the slowest "
+            f"rank spent {eo['loop_ms']:.2f} ms off, {eb['loop_ms']:.2f} ms on outside its step (what the gather adds)."
         )
     return lines
 
