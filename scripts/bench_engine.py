@@ -13,9 +13,10 @@ Arms are interleaved (each repetition runs every arm once, in a rotated order), 
 machine falls on all of them alike; each server runs every workload of its ``max_num_seqs`` after a short warm-up.
 Per arm and regime it prints the median and min-max of output tok/s, TPOT, TTFT and e2e latency, the change of
 the medians against ``off``, and the engines' own counters from the step trace (``balance_step_trace``): steps,
-gated steps, steps in which some rank admitted, steps in which some rank prefilled, and the slots left idle under
-a closed gate. It writes ``<out>/bench.json`` (every run, with its per-iteration trace summary) and
-``<out>/bench.png``, and explains each regime from those counters.
+gated steps, steps in which some rank admitted, steps in which some rank prefilled, the slots left idle under
+a closed gate, a rank's mean wait in the balance gather and the slowest rank's median time outside its step. It
+writes ``<out>/bench.json`` (every run, with its per-iteration trace summary) and ``<out>/bench.png``, and explains
+each regime from those counters.
 
     .venv-v0.32.0-cpu/bin/python scripts/bench_engine.py [--reps 3] [--regimes ...] [--arms ...] [--bind 0|1]
 """
