@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -249,7 +250,8 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
                 values = [r[metric] for r in mine]
                 row[metric] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
             row["engine"] = {
-                key: statistics.median(r["engine"].get(key, 0.0) for r in mine)
+                # nan, not 0, for a counter that runs of an older bench (--from-runs) did not record.
+                key: statistics.median(r["engine"].get(key, math.nan) for r in mine)
                 for key in ("steps", "gated_steps", "admission_steps", "prefill_steps", "idle_slots_gated",
                             "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill", "gather_ms",
                             "loop_ms")
