@@ -21,7 +21,11 @@ ranks' prefills, which pays where a step with a prefill on any rank costs every 
 step runs without its decode graph) and loses where it does not (an eager engine, measured: the idle slots cost
 more than the aligned prefills save). ``adaptive`` (the default) holds the gate closed only while the slots it
 idles have cost less than the one prefill step that aligning saves: a ski-rental bound, so a hold that never aligns
-costs at most that step, and on an engine without the fixed extra it never holds.
+costs at most that step, and on an engine without the fixed extra it never holds. A hold saves that step only if
+the prefills it waits for do come together: its budget is the saving times the share of recent holds that ended
+with two or more ranks admitting at once (a moving average, 1 at first). Where they do not (a router that sends the
+next request to the rank with the free slot, not to the rank at its cap), holds shrink, then stop; the share drifts
+back towards 1 (over ~1000 steps), so the rule tries again later.
 
 Both costs are measured, from values every rank gathers each step (``ROW``), so every rank computes the same
 numbers: the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on
@@ -60,7 +64,7 @@ class AdaptiveHold:
     def __init__(self) -> None:
         # The fit's normal equations (plain floats: this runs every step; torch only solves them, every 32 steps).
         self.xtx, self.xty = [[0.0] * 5 for _ in range(5)], [0.0] * 5
-        self.steps, self.decode_s, self.penalty_s, self.held_s = 0, 0.0, 0.0, 0.0
+        self.steps, self.decode_s, self.penalty_s, self.held_s, self.aligned = 0, 0.0, 0.0, 0.0, 1.0
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
     def update(self, rows: list[list[int]], cap: int) -> bool:
@@ -69,12 +73,15 @@ class AdaptiveHold:
         if longest := max(step_us):
             self._observe(longest / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
         if max(counts) < cap or not self.holding:
-            self.held_s = 0.0
+            # A hold ends as its rank leaves the cap: it aligned if two or more ranks admit now.
+            together = bool(self.held_s) and sum(n < cap and w > 0 for n, w in zip(counts, waiting)) > 1
+            self.aligned, self.held_s = (3 * self.aligned + together) / 4 if self.held_s else self.aligned, 0.0
             return False
         # One more held step costs the waiting requests it keeps out of free slots, as a share of decode throughput.
         cost_s = self.decode_s * sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap) / max(sum(counts), 1)
-        if self.held_s + cost_s > self.penalty_s:
-            self.held_s = 0.0  # the hold expires: admit now; a new hold starts at the next full rank
+        if self.held_s + cost_s > self.penalty_s * self.aligned:
+            # The hold expires unaligned: admit now; a new hold starts at the next full rank.
+            self.held_s, self.aligned = 0.0, self.aligned * 3 / 4
             return False
         self.held_s += cost_s
         return True
@@ -84,7 +91,8 @@ class AdaptiveHold:
         for row, x in zip(self.xtx, features):
             row[:] = [value * _FADE + x * y for value, y in zip(row, features)]
         self.xty = [value * _FADE + x * step_s for value, x in zip(self.xty, features)]
-        self.steps += 1
+        # Old hold outcomes fade as the fit's old steps do: the share drifts back to 1, so holds are tried again.
+        self.steps, self.aligned = self.steps + 1, 1 - (1 - self.aligned) * _FADE
         # Refit once both kinds of step were seen (xtx[1][1] weighs the steps with a prefill, xtx[0][0] all); a small
         # ridge keeps the fit defined while features are collinear (one rank prefilling, or none).
         if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < self.xtx[1][1] < self.xtx[0][0]:
@@ -92,11 +100,12 @@ class AdaptiveHold:
         xtx = torch.tensor(self.xtx, dtype=torch.float64) + 1e-6 * torch.eye(5, dtype=torch.float64)
         coef = torch.linalg.solve(xtx, torch.tensor(self.xty, dtype=torch.float64)).tolist()
         self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
-        # Judged at full load (every rank at its cap), where the gate acts: does the saving cover one idle slot-step?
-        if (holding := self.penalty_s > self.decode_s / full) != self.holding:
+        # At full load (every rank at its cap), where the gate acts: does the expected saving cover one idle slot-step?
+        if (holding := self.penalty_s * self.aligned > self.decode_s / full) != self.holding:
             verdict = ("holds admissions while a rank is at its cap, up to that cost in idle slots" if holding else
                        "admits without waiting (aligning prefills would save less than it idles)")  # fmt: skip
             logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
-                        "%.1f ms more than a decode step of %d requests (%.1f ms), fitted on the last ~1000 steps.",
-                        verdict, self.penalty_s * 1e3, running, self.decode_s * 1e3)  # fmt: skip
+                        "%.1f ms more than a decode step of %d requests (%.1f ms); %.0f %% of recent holds ended with "
+                        "two or more ranks admitting.", verdict, self.penalty_s * 1e3, running, self.decode_s * 1e3,
+                        100 * self.aligned)  # fmt: skip
             self.holding = holding

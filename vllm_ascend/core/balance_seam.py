@@ -91,8 +91,7 @@ def _binds(node: ast.AST, name: str) -> bool:
 
 def method_node(tree: ast.Module, owner: str, name: str) -> ast.FunctionDef | None:
     classes = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == owner]
-    methods = [item for cls in classes for item in cls.body if isinstance(item, ast.FunctionDef) and item.name == name]
-    return methods[0] if methods else None
+    return next((m for c in classes for m in c.body if isinstance(m, ast.FunctionDef) and m.name == name), None)
 
 
 # ---- scheduler seam -------------------------------------------------------------------------

@@ -61,6 +61,7 @@ COPYING_MODULE = "vllm_ascend.patch.platform.patch_balance_schedule"
 # (main refuses DyntraLB with balance scheduling on, so the wrapper would only delegate to the copy).
 REPLACING_MODULES = (COPYING_MODULE, "vllm_ascend.patch.platform.patch_dyntra_lb_core")
 _REBUILT = "Balance scheduling is on: %s replaced EngineCoreProc.run_engine_core; rebuilt vLLM's own from %s."
+_RESTORED = "Balance scheduling is on: restoring vLLM's Scheduler, which %s rebound to its copy."
 
 
 def register() -> None:
@@ -83,9 +84,7 @@ def _copy_free_get_scheduler_cls(original: Callable[[SchedulerConfig], type]) ->
         mro, own = vllm_scheduler_module.Scheduler.__mro__, vllm_scheduler_module.__name__
         genuine = next(k for k in mro if (k.__module__, k.__name__) == (own, "Scheduler"))
         if vllm_scheduler_module.Scheduler is not genuine:
-            logger.info(
-                "Balance scheduling is on: restoring vLLM's Scheduler, which %s rebound to its copy.", COPYING_MODULE
-            )
+            logger.info(_RESTORED, COPYING_MODULE)
             vllm_scheduler_module.Scheduler = genuine
         async_module = sys.modules.get("vllm.v1.core.sched.async_scheduler")
         if async_module is not None and _carries_copy(async_module.AsyncScheduler):
