@@ -19,9 +19,15 @@
 Upstream's rule (``cap``) keeps every rank from admitting for as long as any rank is at its cap. That aligns the
 ranks' prefills, which pays where a step with a prefill on any rank costs every rank a fixed extra (graph mode: the
 step runs without its decode graph) and loses where it does not (an eager engine, measured: the idle slots cost
-more than the aligned prefills save). ``adaptive`` (the default) holds the gate closed only while the slots it
-idles have cost less than the one prefill step that aligning saves: a ski-rental bound, so a hold that never aligns
-costs at most that step, and on an engine without the fixed extra it never holds. A hold saves that step only if
+more than the aligned prefills save). ``adaptive`` (the default) holds the gate closed only while the steps it holds
+have cost less than the one prefill step that aligning saves: a ski-rental bound, so a hold that never aligns costs
+at most that step, and on an engine without the fixed extra it never holds. A held step costs the free slots it
+keeps from waiting requests (their share of the step), but never less than an eighth of a decode step while any
+request waits: a held request can finish after all its peers and then run alone, every rank stepping for its tokens
+(measured on the real engine: a request held 85 steps, priced at 1/63 of a step each, ran 85 steps behind its wave
+and cost that closed loop about 4 % of its throughput). So a hold lasts at most 8 x the saving in decode steps; the
+simulator's paper preset needs holds about that long (an eighth: +32 %, a quarter: +22 %, a whole step: +5 %,
+predicted). A hold saves that step only if
 the prefills it waits for do come together: its budget is the saving times the share of recent holds that ended
 with two or more ranks admitting at once (a moving average, 1 at first). Where they do not (a router that sends the
 next request to the rank with the free slot, not to the rank at its cap), holds shrink, then stop; the share drifts
@@ -44,7 +50,7 @@ RULE_ENV, RULE_KEY, RULES = "VLLM_ASCEND_BALANCE_GATE_RULE", "balance_gate_rule"
 # What each rank contributes per step: its balance_count, waiting requests, and the step it just finished: prefill
 # tokens and duration in microseconds (0: none finished since the last gather).
 ROW = ("count", "waiting", "prefill_tokens", "step_us")
-_FADE, _REFIT_EVERY, _MIN_STEPS = 1 - 1 / 1024, 32, 64
+_FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER = 1 - 1 / 1024, 32, 64, 1 / 8
 
 
 def gate_rule(vllm_config: VllmConfig) -> str:
@@ -77,14 +83,13 @@ class AdaptiveHold:
             together = bool(self.held_s) and sum(n < cap and w > 0 for n, w in zip(counts, waiting)) > 1
             self.aligned, self.held_s = (3 * self.aligned + together) / 4 if self.held_s else self.aligned, 0.0
             return False
-        # One more held step costs the waiting requests it keeps out of free slots, as a share of decode throughput.
-        cost_s = self.decode_s * sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap) / max(sum(counts), 1)
-        if self.held_s + cost_s > self.penalty_s * self.aligned:
-            # The hold expires unaligned: admit now; a new hold starts at the next full rank.
-            self.held_s, self.aligned = 0.0, self.aligned * 3 / 4
-            return False
-        self.held_s += cost_s
-        return True
+        # One more held step costs the requests it keeps from free slots, and at least _STRAGGLER of it (a straggler).
+        idle = sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap)
+        cost_s = self.decode_s * max(idle / max(sum(counts), 1), _STRAGGLER * bool(idle))
+        # Past the budget the hold expires unaligned: admit now; a new hold starts at the next full rank.
+        expired = self.held_s + cost_s > self.penalty_s * self.aligned
+        self.held_s, self.aligned = (0.0, self.aligned * 3 / 4) if expired else (self.held_s + cost_s, self.aligned)
+        return not expired
 
     def _observe(self, step_s: float, largest: int, total: int, running: int, full: int) -> None:
         features = (1.0, float(largest > 0), float(largest), float(total), float(running))
@@ -100,10 +105,11 @@ class AdaptiveHold:
         xtx = torch.tensor(self.xtx, dtype=torch.float64) + 1e-6 * torch.eye(5, dtype=torch.float64)
         coef = torch.linalg.solve(xtx, torch.tensor(self.xty, dtype=torch.float64)).tolist()
         self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
-        # At full load (every rank at its cap), where the gate acts: does the expected saving cover one idle slot-step?
+        # Does the expected saving cover the least a held step costs: one idle slot-step at full load (every rank at
+        # its cap), a request arriving while the gate is closed?
         if (holding := self.penalty_s * self.aligned > self.decode_s / full) != self.holding:
-            verdict = ("holds admissions while a rank is at its cap, up to that cost in idle slots" if holding else
-                       "admits without waiting (aligning prefills would save less than it idles)")  # fmt: skip
+            verdict = ("holds admissions while a rank is at its cap, for at most that cost in steps" if holding else
+                       "admits without waiting (aligning prefills would save less than one held step)")  # fmt: skip
             logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
                         "%.1f ms more than a decode step of %d requests (%.1f ms); %.0f %% of recent holds ended with "
                         "two or more ranks admitting.", verdict, self.penalty_s * 1e3, running, self.decode_s * 1e3,

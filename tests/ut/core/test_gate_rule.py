@@ -83,6 +83,19 @@ def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog:
     assert hold.update([[CAP - 1, 0, 0, 0], [CAP - 1, 2, 0, 0]], CAP) is False  # no rank at its cap
 
 
+def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() -> None:
+    """At a large cap one waiting request idles a tiny share of the group's slots, but the held request can finish
+    after all its peers and run alone: the hold is priced at an eighth of a decode step per step at least, so it lasts
+    at most 8 x the saving in decode steps, however full the ranks are."""
+    hold, cap = AdaptiveHold(), 32
+    group_steps(hold, 600, penalty_ms=150.0)
+    assert hold.holding
+    one_waiting = [[cap, 0, 0, 0], [cap - 1, 1, 0, 0]]  # 1 idle slot of 63 running: 1/63 of a step
+    assert _hold_lengths(hold, one_waiting, None, 1, cap) == [int(8 * hold.penalty_s / hold.decode_s)]
+    many_waiting = [[cap, 0, 0, 0], [cap - 24, 30, 0, 0]]  # 24 of 40: their share, above the eighth
+    assert _hold_lengths(hold, many_waiting, None, 1, cap) == [int(0.75 * hold.penalty_s / (hold.decode_s * 24 / 40))]
+
+
 def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog: pytest.LogCaptureFixture) -> None:
     hold = AdaptiveHold()
     with caplog.at_level(logging.INFO, logger="vllm"):
@@ -101,15 +114,17 @@ def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog
     ]
 
 
-def _hold_lengths(hold: AdaptiveHold, full: list[list[int]], opened: list[list[int]] | None, holds: int) -> list[int]:
+def _hold_lengths(
+    hold: AdaptiveHold, full: list[list[int]], opened: list[list[int]] | None, holds: int, cap: int = CAP
+) -> list[int]:
     """``holds`` holds on rows ``full`` (rank 0 at its cap), each ended by expiry or, with ``opened``, by those rows."""
     lengths = []
     for _ in range(holds):
         held = 0
-        while hold.update(full, CAP):
+        while hold.update(full, cap):
             held += 1
             if opened and held == 3:
-                assert hold.update(opened, CAP) is False  # rank 0 left its cap: the gate opens
+                assert hold.update(opened, cap) is False  # rank 0 left its cap: the gate opens
                 break
         lengths.append(held)
     return lengths
