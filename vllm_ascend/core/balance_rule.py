@@ -105,8 +105,7 @@ class AdaptiveHold:
         xtx = torch.tensor(self.xtx, dtype=torch.float64) + 1e-6 * torch.eye(5, dtype=torch.float64)
         coef = torch.linalg.solve(xtx, torch.tensor(self.xty, dtype=torch.float64)).tolist()
         self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
-        # Does the expected saving cover the least a held step costs: one idle slot-step at full load (every rank at
-        # its cap), a request arriving while the gate is closed?
+        # Anything to hold for: does the expected saving cover one idle slot-step at full load (every rank at its cap)?
         if (holding := self.penalty_s * self.aligned > self.decode_s / full) != self.holding:
             verdict = ("holds admissions while a rank is at its cap, for at most that cost in steps" if holding else
                        "admits without waiting (aligning prefills would save less than one held step)")  # fmt: skip
