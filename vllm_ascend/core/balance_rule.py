@@ -25,7 +25,7 @@ at most that step, and on an engine without the fixed extra it never holds. A he
 keeps from waiting requests (their share of the step), but never less than an eighth of a decode step while any
 request waits: a held request can finish after all its peers and then run alone, every rank stepping for its tokens
 (measured on the real engine: a request held 85 steps, priced at 1/63 of a step each, ran 85 steps behind its wave
-and cost that closed loop about 4 % of its throughput). So a hold lasts at most 8 x the saving in decode steps; the
+and cost that closed loop 2-3 s of a 45 s run). So a hold lasts at most 8 x the saving in decode steps; the
 simulator's paper preset needs holds about that long (an eighth: +32 %, a quarter: +22 %, a whole step: +5 %,
 predicted). A hold saves that step only if
 the prefills it waits for do come together: its budget is the saving times the share of recent holds that ended
@@ -108,7 +108,7 @@ class AdaptiveHold:
         # Anything to hold for: does the expected saving cover one idle slot-step at full load (every rank at its cap)?
         if (holding := self.penalty_s * self.aligned > self.decode_s / full) != self.holding:
             verdict = ("holds admissions while a rank is at its cap, for at most that cost in steps" if holding else
-                       "admits without waiting (aligning prefills would save less than one held step)")  # fmt: skip
+                       "admits without waiting (aligning prefills would save less than one slot-step)")  # fmt: skip
             logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
                         "%.1f ms more than a decode step of %d requests (%.1f ms); %.0f %% of recent holds ended with "
                         "two or more ranks admitting.", verdict, self.penalty_s * 1e3, running, self.decode_s * 1e3,
