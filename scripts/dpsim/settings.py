@@ -177,7 +177,7 @@ REAL_CPU_REGIMES = {
     "closed-32-spread": replace(
         REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=64, prompt_spread=0.5, output_spread=0.5
     ),
-    "open-32-poisson": replace(REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=None, request_rate=6.0),
+    "open-32-poisson": replace(REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=None, request_rate=2.8),
 }
 # The bench's arms, as the simulator's policies.
 REAL_CPU_ARMS = {
