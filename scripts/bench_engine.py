@@ -1,8 +1,8 @@
 """The real-engine bench: balance scheduling against off and vLLM's prefill interval, measured on a real forward.
 
 Every arm starts its own ``vllm serve`` of the tiny random-weight Qwen3-MoE on vLLM's CPU build (the v0.32.0-cpu
-line: DP 2 + EP, eager, bf16; ``tests/e2e_cpu`` harness and test-only plugins) and drives it with vLLM's own
-benchmark client. The arms:
+line: DP 2 + EP, eager, bf16, no prefix cache; ``tests/e2e_cpu`` harness and test-only plugins) and drives it with
+vLLM's own benchmark client. The arms:
 
 * ``off``: stock vLLM;
 * ``balance``: balance scheduling on (the nested ``additional_config`` switch);
