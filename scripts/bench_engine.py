@@ -12,11 +12,12 @@ vLLM's own benchmark client. The arms:
 Arms are interleaved (each repetition runs every arm once, in a rotated order), so the noise of this shared 2-core
 machine falls on all of them alike; each server runs every workload of its ``max_num_seqs`` after a short warm-up.
 Per arm and regime it prints the median and min-max of output tok/s, TPOT, TTFT and e2e latency, the change of
-the medians against ``off``, and the engines' own counters from the step trace (``balance_step_trace``): steps,
-gated steps, steps in which some rank admitted, steps in which some rank prefilled, the slots left idle under
-a closed gate, a rank's mean wait in the balance gather and the slowest rank's median time outside its step. It
-writes ``<out>/bench.json`` (every run, with its per-iteration trace summary) and ``<out>/bench.png``, and explains
-each regime from those counters.
+the medians against ``off``, the paired change re-priced (each run's measured steps at the costs fitted on the off
+runs: the schedule's effect without the server's speed), and the engines' own counters from the step trace
+(``balance_step_trace``): steps, gated steps, steps in which some rank admitted, steps in which some rank
+prefilled, the slots left idle under a closed gate, a rank's mean wait in the balance gather and the slowest
+rank's median time outside its step. It writes ``<out>/bench.json`` (every run, with its per-iteration trace
+summary) and ``<out>/bench.png``, and explains each regime from those counters.
 
     .venv-v0.32.0-cpu/bin/python scripts/bench_engine.py [--reps 3] [--regimes ...] [--arms ...] [--bind 0|1]
 """
@@ -243,6 +244,11 @@ def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, 
 
 
 def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]) -> list[dict[str, Any]]:
+    from dpsim.real_check import fit_off, priced_s
+
+    # One `vllm serve` runs identical batches up to 25 % faster or slower than the next on a shared box, so each run
+    # is also re-priced: its measured steps at the costs fitted on every off run (its time outside steps as measured).
+    fit = fit_off(runs, None, "both")[0] if any(r["arm"] == "off" for r in runs) else None
     rows = []
     for regime in regimes:
         base, base_runs = None, None
@@ -272,13 +278,16 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
             # makes every step slower, not more steps), so a change in it is the schedule's, not the machine's.
             steps = [r["engine"]["steps"] / first[r["rep"]]["engine"]["steps"] - 1 for r in mine if r["rep"] in first]
             row["paired"]["steps"] = statistics.median(steps)
+            if fit is not None:
+                priced = [priced_s(first[r["rep"]], fit) / priced_s(r, fit) - 1 for r in mine if r["rep"] in first]
+                row["paired"]["repriced"] = statistics.median(priced)
             rows.append(row)
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'regime':<17} {'arm':>18} " + " ".join(f"{LABELS[m]:>22}" for m in METRICS)
-    head += "  steps steps-Δ gated admit prefill idle-slots gather-ms loop-ms"
+    head += "  re-priced steps steps-Δ gated admit prefill idle-slots gather-ms loop-ms"
     print(head)
     for row in rows:
         cells = []
@@ -288,7 +297,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         e = row["engine"]
         print(
             f"{row['regime']:<17} {row['arm']:>18} " + " ".join(f"{c:>22}" for c in cells)
-            + f"  {e['steps']:5.0f} {row['paired']['steps']:+7.1%} {e['gated_steps']:5.0f} {e['admission_steps']:5.0f}"
+            + f"  {row['paired'].get('repriced', math.nan):+9.1%}"
+            f" {e['steps']:5.0f} {row['paired']['steps']:+7.1%} {e['gated_steps']:5.0f} {e['admission_steps']:5.0f}"
             f" {e['prefill_steps']:7.0f}"
             f" {e['idle_slots_gated']:10.0f} {e['gather_ms']:9.2f} {e['loop_ms']:7.2f}"
         )  # fmt: skip
