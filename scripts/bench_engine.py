@@ -4,7 +4,7 @@ Every arm starts its own ``vllm serve`` of the tiny random-weight Qwen3-MoE on v
 line: DP 2 + EP, eager, bf16, no prefix cache; ``tests/e2e_cpu`` harness and test-only plugins) and drives it with
 vLLM's own benchmark client. The arms:
 
-* ``off``: stock vLLM;
+* ``off``: stock vLLM (``off-<tag>``: stock again, another server: how far two stock servers differ);
 * ``balance``: balance scheduling on (the nested ``additional_config`` switch);
 * ``intervalN``: vLLM's ``--prefill-schedule-interval N``;
 * ``balance+intervalN``: both.
@@ -83,8 +83,10 @@ def arm_args(arm: str) -> list[str]:
             args += ["--additional-config", json.dumps({"scheduler_config": config})]
         elif part.startswith("interval"):
             args += ["--prefill-schedule-interval", part.removeprefix("interval")]
-        elif part != "off":
-            raise SystemExit(f"bench_engine: unknown arm {arm!r} (off, balance, cap, intervalN, balance+intervalN)")
+        elif part != "off" and not part.startswith("off-"):  # off-<tag>: stock again, the servers' speed lottery
+            raise SystemExit(
+                f"bench_engine: unknown arm {arm!r} (off, off-<tag>, balance, cap, intervalN, balance+intervalN)"
+            )
     return args
 
 
