@@ -105,7 +105,7 @@ def server_args(max_num_seqs: int, max_model_len: int) -> list[str]:
         "--max-model-len",
         str(max_model_len),
         # vLLM's random prompts over the tiny model's ~100-token vocabulary are rotations of one cycle: with the
-        # prefix cache on, it served 20-86 % of the prompt tokens, by regime order and cache state (which the arm's
+        # prefix cache on, it served 19-86 % of the prompt tokens, by regime order and cache state (which the arm's
         # timing moves), so the prefills balance scheduling aligns were mostly not computed.
         "--no-enable-prefix-caching",
     ]
@@ -251,6 +251,7 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
     # One `vllm serve` runs identical batches up to 25 % faster or slower than the next on a shared box, so each run
     # is also re-priced: its measured steps at the costs fitted on every off run (its time outside steps as measured).
     fit = fit_off(runs, None, "both")[0] if any(r["arm"] == "off" for r in runs) else None
+    priced = {id(r): priced_s(r, fit) for r in runs} if fit else {}  # once per run: the baseline's is used per arm
     rows = []
     for regime in regimes:
         base, base_runs = None, None
@@ -280,9 +281,9 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
             # makes every step slower, not more steps), so a change in it is the schedule's, not the machine's.
             steps = [r["engine"]["steps"] / first[r["rep"]]["engine"]["steps"] - 1 for r in mine if r["rep"] in first]
             row["paired"]["steps"] = statistics.median(steps)
-            if fit is not None:
-                priced = [priced_s(first[r["rep"]], fit) / priced_s(r, fit) - 1 for r in mine if r["rep"] in first]
-                row["paired"]["repriced"] = statistics.median(priced)
+            if priced:
+                repriced = [priced[id(first[r["rep"]])] / priced[id(r)] - 1 for r in mine if r["rep"] in first]
+                row["paired"]["repriced"] = statistics.median(repriced)
             rows.append(row)
     return rows
 
