@@ -10,7 +10,11 @@ vLLM's own benchmark client. The arms:
 * ``balance+intervalN``: both.
 
 Arms are interleaved (each repetition runs every arm once, in a rotated order), so the noise of this shared 2-core
-machine falls on all of them alike; each server runs every workload of its ``max_num_seqs`` after a short warm-up.
+machine falls on all of them alike; each server runs every workload of its ``max_num_seqs`` after a warm-up wave.
+With ``--same-server K`` each of K balanced servers runs every arm ``--reps`` times instead, the step trace switching
+the gate rule and vLLM's prefill interval before each run (``off`` there is the balanced server with its gate open:
+stock scheduling plus the gather), so that arms are compared on one server. Each run records the share of the CPU
+time the hypervisor gave to other guests meanwhile (``steal``, from ``/proc/stat``).
 Per arm and regime it prints the median and min-max of output tok/s, TPOT, TTFT and e2e latency, the change of
 the medians against ``off``, the paired change re-priced (each run's measured steps at the costs fitted on the off
 runs: the schedule's effect without the server's speed), and the engines' own counters from the step trace
@@ -20,6 +24,7 @@ rank's median time outside its step. It writes ``<out>/bench.json`` (every run, 
 summary) and ``<out>/bench.png``, and explains each regime from those counters.
 
     .venv-v0.32.0-cpu/bin/python scripts/bench_engine.py [--reps 3] [--regimes ...] [--arms ...] [--bind 0|1]
+        [--same-server K] [--from-runs runs.json]
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +45,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "e2e_cpu"), str(ROOT / "scripts")]
 
-from harness import REAL_FORWARD_PLUGINS, Server  # noqa: E402
+from harness import REAL_FORWARD_PATH, REAL_FORWARD_PLUGINS, Server  # noqa: E402
+
+sys.path.insert(0, str(REAL_FORWARD_PATH))
+from balance_real_forward.step_trace import ARM_FILE_ENV, same_server_arm  # noqa: E402
 from tiny_model import real_moe_model  # noqa: E402
 
 DP_SIZE = 2
@@ -139,6 +148,19 @@ def run_client(args: list[str], log: Path) -> dict[str, Any]:
         return bench_main(parser.parse_args(args))
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time so far by kind (``/proc/stat``: user, nice, system, idle, iowait, irq, softirq, steal)."""
+    with open("/proc/stat") as stat:
+        return [int(field) for field in stat.readline().split()[1:9]]
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """The share of the CPU time between two readings that the hypervisor gave to other guests (``steal``): on a
+    shared virtual machine it moved from 1 % to 28 % from one second to the next (stop 33), slowing every step."""
+    spent = [b - a for a, b in zip(before, after)]
+    return spent[7] / max(sum(spent), 1)
+
+
 def read_trace(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return {
         rank: [json.loads(line) for line in (trace_dir / f"rank{rank}.jsonl").read_text().splitlines() if line]
@@ -147,12 +169,14 @@ def read_trace(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
     }
 
 
-def counters(trace: dict[int, list[dict[str, Any]]], since: dict[int, int]) -> dict[str, Any]:
-    """What the engines did in one workload, from the step-trace records after ``since`` (per rank)."""
+def counters(trace: dict[int, list[dict[str, Any]]], started: float) -> dict[str, Any]:
+    """What the engines did in one workload, from the step-trace records of steps begun since ``started``
+    (``time.monotonic()``, one clock for every process): the previous run's last record is written late."""
     by_it: dict[int, list[dict[str, Any]]] = {}
-    for rank, records in trace.items():
-        for record in records[since.get(rank, 0) :]:
-            by_it.setdefault(record["it"], []).append(record)
+    for records in trace.values():
+        for record in records:
+            if record["t"] >= started:
+                by_it.setdefault(record["it"], []).append(record)
     steps = len(by_it)
     gated = sum(1 for rs in by_it.values() if any(r["closed"] for r in rs))
     return {
@@ -199,50 +223,69 @@ def _mean_ms(by_it: dict[int, list[dict[str, Any]]], prefill: bool) -> float:
     return statistics.fmean(times) if times else 0.0
 
 
-def run_server(arm: str, max_num_seqs: int, regimes: list[Regime], model: Path, bind: str, rep: int, work: Path):
-    """One server of ``arm``: warm up, then every regime of its ``max_num_seqs``; the runs' results."""
-    trace_dir = work / f"{arm}-{max_num_seqs}-{rep}"
+def run_server(arms: list[str], max_num_seqs: int, regimes: list[Regime], model: Path, bind: str, reps: list[int],
+               work: Path, record: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
+    """One server: warm up, then every regime of its ``max_num_seqs``, once per repetition in ``reps``, under each of
+    ``arms`` in turn (rotated per repetition). One arm: the server is that arm's. Several (``--same-server``): the
+    server is balanced and the step trace switches the arm before each run (``same_server_arm``). ``record`` gets
+    each run as it ends."""
+    trace_dir = work / f"{'+'.join(arms) if len(arms) == 1 else 'same'}-{max_num_seqs}-{reps[0]}"
     trace_dir.mkdir(parents=True)
     max_len = max(int((r.input_len + r.output_len) * (1 + r.range_ratio)) for r in regimes) + 16
     env = {"BALANCE_STEP_TRACE_DIR": str(trace_dir), "VLLM_PLUGINS": REAL_FORWARD_PLUGINS + ",balance_step_trace"}
     if bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    server = Server(model, trace_dir / "serve.log", server_args(max_num_seqs, max_len) + arm_args(arm),
+    arm_file = trace_dir / "arm.json"
+    if len(arms) > 1:
+        env[ARM_FILE_ENV] = str(arm_file)
+        arm_file.write_text(json.dumps(same_server_arm("balance")))  # warm up with the adaptive rule learning
+    server = Server(model, trace_dir / "serve.log",
+                    server_args(max_num_seqs, max_len) + arm_args(arms[0] if len(arms) == 1 else "balance"),
                     real_forward=True, extra_env=env)  # fmt: skip
-    runs = []
     with server:
+        # One full wave of the first regime, so that no measured run is the server's first at a full batch.
         warm = regimes[0]
-        run_client(bench_client_args(server, warm, seed=1000 + rep, num_prompts=2 * DP_SIZE), trace_dir / "client.log")
-        for regime in regimes:
-            since = {rank: len(records) for rank, records in read_trace(trace_dir).items()}
-            started = time.monotonic()
-            result = run_client(
-                bench_client_args(server, regime, seed=rep, num_prompts=regime.num_prompts), trace_dir / "client.log"
-            )
-            wall = time.monotonic() - started
-            time.sleep(1.0)  # the last step's record is written when the next iteration starts or the loop syncs
-            engine = counters(read_trace(trace_dir), since)
-            run = {
-                "arm": arm, "regime": regime.name, "max_num_seqs": max_num_seqs, "rep": rep, "wall_s": wall,
-                "startup_s": server.startup_s,
-                "completed": result["completed"], "failed": result.get("failed", 0),
-                **{m: result[m] for m in METRICS}, "engine": engine,
-            }  # fmt: skip
-            print(
-                f"  rep {rep} {arm:>18} {regime.name:<17} {result['output_throughput']:7.1f} tok/s  "
-                f"TPOT {result['mean_tpot_ms']:6.1f}  TTFT {result['mean_ttft_ms']:7.0f}  "
-                f"gated {engine['gated_steps']}/{engine['steps']}  ({wall:.0f} s)",
-                flush=True,
-            )
-            if result["completed"] != regime.num_prompts:
-                errors = sorted(set(map(str, result.get("errors") or [])))[:5]
-                raise SystemExit(
-                    f"bench_engine: {arm} {regime.name}: {result['completed']} of {regime.num_prompts} requests "
-                    f"completed; errors {errors}; server log {trace_dir / 'serve.log'}"
-                )
-            runs.append(run)
-    assert not server.leftovers, f"processes left after {arm}: {server.leftovers}"
-    return runs
+        run_client(bench_client_args(server, warm, seed=1000 + reps[0], num_prompts=warm.concurrency or 2 * DP_SIZE),
+                   trace_dir / "client.log")  # fmt: skip
+        for rep in reps:
+            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
+            for regime in regimes:
+                for arm in order:
+                    if len(arms) > 1:
+                        arm_file.write_text(json.dumps(same_server_arm(arm)))
+                    record(measure(server, trace_dir, arm, regime, rep, shared=len(arms) > 1))
+    assert not server.leftovers, f"processes left after {arms}: {server.leftovers}"
+
+
+def measure(server: Server, trace_dir: Path, arm: str, regime: Regime, rep: int, shared: bool) -> dict[str, Any]:
+    """One run of ``regime`` on ``server``: the client's metrics and the engines' counters."""
+    started, cpu_before = time.monotonic(), cpu_times()
+    result = run_client(bench_client_args(server, regime, seed=rep, num_prompts=regime.num_prompts),
+                        trace_dir / "client.log")  # fmt: skip
+    wall, steal = time.monotonic() - started, steal_share(cpu_before, cpu_times())
+    time.sleep(1.0)  # the last step's record is written when the next iteration starts or the loop syncs
+    engine = counters(read_trace(trace_dir), started)
+    if shared and (strays := {r.get("arm") for r in engine["records"]} - {arm}):
+        raise SystemExit(f"bench_engine: {arm} {regime.name}: steps ran under {strays} (trace {trace_dir})")
+    run = {
+        "arm": arm, "regime": regime.name, "max_num_seqs": regime.max_num_seqs, "rep": rep, "wall_s": wall,
+        "startup_s": server.startup_s, "same_server": shared, "steal": steal,
+        "completed": result["completed"], "failed": result.get("failed", 0),
+        **{m: result[m] for m in METRICS}, "engine": engine,
+    }  # fmt: skip
+    print(
+        f"  rep {rep} {arm:>18} {regime.name:<17} {result['output_throughput']:7.1f} tok/s  "
+        f"TPOT {result['mean_tpot_ms']:6.1f}  TTFT {result['mean_ttft_ms']:7.0f}  "
+        f"gated {engine['gated_steps']}/{engine['steps']}  steal {steal:.1%}  ({wall:.0f} s)",
+        flush=True,
+    )
+    if result["completed"] != regime.num_prompts:
+        errors = sorted(set(map(str, result.get("errors") or [])))[:5]
+        raise SystemExit(
+            f"bench_engine: {arm} {regime.name}: {result['completed']} of {regime.num_prompts} requests "
+            f"completed; errors {errors}; server log {trace_dir / 'serve.log'}"
+        )
+    return run
 
 
 def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]) -> list[dict[str, Any]]:
@@ -270,6 +313,7 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
                             "waiting_gated", "mean_running", "step_ms_decode", "step_ms_prefill", "gather_ms",
                             "loop_ms")
             }  # fmt: skip
+            row["steal"] = statistics.median(r.get("steal", math.nan) for r in mine)
             base, base_runs = base or row, base_runs or mine
             row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
             # The median over repetitions of arm / first arm within the same repetition (interleaved pairs).
@@ -290,7 +334,7 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'regime':<17} {'arm':>18} " + " ".join(f"{LABELS[m]:>22}" for m in METRICS)
-    head += "  re-priced steps steps-Δ gated admit prefill idle-slots gather-ms loop-ms"
+    head += "  re-priced steps steps-Δ gated admit prefill idle-slots gather-ms loop-ms steal"
     print(head)
     for row in rows:
         cells = []
@@ -303,7 +347,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             + f"  {row['paired'].get('repriced', math.nan):+9.1%}"
             f" {e['steps']:5.0f} {row['paired']['steps']:+7.1%} {e['gated_steps']:5.0f} {e['admission_steps']:5.0f}"
             f" {e['prefill_steps']:7.0f}"
-            f" {e['idle_slots_gated']:10.0f} {e['gather_ms']:9.2f} {e['loop_ms']:7.2f}"
+            f" {e['idle_slots_gated']:10.0f} {e['gather_ms']:9.2f} {e['loop_ms']:7.2f} {row['steal']:5.1%}"
         )  # fmt: skip
 
 
@@ -371,6 +415,13 @@ def main() -> None:
     parser.add_argument("--bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND ('auto': vLLM's default)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every regime's num_prompts")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench-engine")
+    parser.add_argument(
+        "--same-server",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K balanced servers, each running every arm --reps times (the step trace switches it)",
+    )
     parser.add_argument("--from-runs", type=Path, help="no servers: summarise a runs.json an earlier bench wrote")
     args = parser.parse_args()
     arms = args.arms.split(",")
@@ -387,9 +438,24 @@ def main() -> None:
         args.reps = 0
     else:
         model = real_moe_model()
+
+    def record(run: dict[str, Any]) -> None:
+        runs.append(run)
+        (args.out / "runs.json").write_text(json.dumps(runs))  # after every run: a failed run keeps the others
+
     work = args.out / "servers"  # each server's log, client report and step trace, kept for a look afterwards
     if not args.from_runs:
         shutil.rmtree(work, ignore_errors=True)
+    if args.same_server:
+        # Each of the servers runs every arm --reps times: pairs on one server, servers in turn.
+        for index in range(args.same_server):
+            for seqs in servers:
+                print(f"[{index + 1}/{args.same_server}] same server, max_num_seqs={seqs} "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+                reps = list(range(index * args.reps, (index + 1) * args.reps))
+                run_server(arms, seqs, [r for r in regimes if r.max_num_seqs == seqs], model, args.bind, reps, work,
+                           record)  # fmt: skip
+        args.reps = 0
     total = args.reps * len(servers) * len(arms)
     for rep in range(args.reps):
         order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
@@ -399,8 +465,7 @@ def main() -> None:
                 print(f"[{done + 1}/{total}] rep {rep} {arm} max_num_seqs={seqs} "
                       f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
                 mine = [r for r in regimes if r.max_num_seqs == seqs]
-                runs += run_server(arm, seqs, mine, model, args.bind, rep, work)
-                (args.out / "runs.json").write_text(json.dumps(runs))
+                run_server([arm], seqs, mine, model, args.bind, [rep], work, record)
     rows = summarise(runs, arms, regimes)
     print()
     print_table(rows)

@@ -12,6 +12,14 @@ once per non-idle iteration on every rank in lockstep, so the same ``it`` is the
 the time from the start of ``schedule()`` to the iteration's end (the model step and its collectives, without the
 wait for input before it). ``closed``: a balanced scheduler ran the step gated (``PAUSED_NEW`` set by the gate).
 Both wrapped methods are vLLM's own, so stock and balanced engines are traced alike.
+
+With ``BALANCE_ARM_FILE`` also set (the bench's ``--same-server``), one balanced server runs every arm in turn: the
+file holds ``{"arm": name, "gate": "off" | "adaptive" | "cap", "interval": N}``, re-read at each ``schedule()`` once
+it changes (the bench writes it while the engines are idle). ``gate`` ``off`` leaves the gate open (the gather still
+runs), ``cap`` decides with upstream's rule while the adaptive rule's state waits untouched, and ``interval`` is
+vLLM's ``--prefill-schedule-interval``. Every record then carries ``arm``, so the bench can check each run ran under
+its arm alone. Two servers of one configuration ran identical batches up to 25 % apart (stop 32): arms on one server
+are compared without that.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-TRACE_DIR_ENV = "BALANCE_STEP_TRACE_DIR"
-_state: dict[str, Any] = {"it": 0, "pending": None, "file": None}
+TRACE_DIR_ENV, ARM_FILE_ENV = "BALANCE_STEP_TRACE_DIR", "BALANCE_ARM_FILE"
+_state: dict[str, Any] = {"it": 0, "pending": None, "file": None, "engine": None, "arm": None, "arm_mtime": None}
 
 
 def install() -> None:
@@ -41,6 +49,49 @@ def install() -> None:
     except ImportError:  # the package is not installed: nothing balanced to time
         return
     BalanceSchedulingMixin.balance_gather = _timed_gather(BalanceSchedulingMixin.balance_gather)  # type: ignore
+    if os.environ.get(ARM_FILE_ENV):
+        BalanceSchedulingMixin.balance_update = _armed_update(BalanceSchedulingMixin.balance_update)  # type: ignore
+
+
+def same_server_arm(arm: str) -> dict[str, Any]:
+    """What the bench's ``arm`` (``off``, ``off-<tag>``, ``balance``, ``cap``, ``intervalN``, joined by ``+``) sets
+    on a balanced server that runs every arm: the file's content."""
+    parts = arm.split("+")
+    gate = "adaptive" if "balance" in parts else "cap" if "cap" in parts else "off"
+    interval = next((int(part.removeprefix("interval")) for part in parts if part.startswith("interval")), 1)
+    return {"arm": arm, "gate": gate, "interval": interval}
+
+
+def _read_arm() -> dict[str, Any] | None:
+    """The arm in force: the file's content, re-read when its modification time changes."""
+    path = os.environ.get(ARM_FILE_ENV)
+    if not path:
+        return None
+    mtime = os.stat(path).st_mtime_ns
+    if mtime != _state["arm_mtime"]:
+        _state["arm"], _state["arm_mtime"] = json.loads(Path(path).read_text()), mtime
+    if _state["engine"] is not None:
+        _state["engine"].prefill_schedule_interval = _state["arm"]["interval"]
+    return _state["arm"]
+
+
+def _armed_update(update: Any) -> Any:
+    @functools.wraps(update)
+    def armed(self: Any) -> None:
+        gate = (_state["arm"] or {"gate": "adaptive"})["gate"]
+        if gate == "off":
+            self._balance_closed = False
+            return
+        if gate == "adaptive":
+            update(self)
+            return
+        hold, self._balance_hold = self._balance_hold, None  # the cap rule: no hold object
+        try:
+            update(self)
+        finally:
+            self._balance_hold = hold
+
+    return armed
 
 
 def _traced_schedule(schedule: Any) -> Any:
@@ -48,6 +99,7 @@ def _traced_schedule(schedule: Any) -> Any:
     def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm.v1.core.sched.interface import PauseState
 
+        arm = _read_arm()
         started = time.monotonic()
         gated = self._pause_state == PauseState.PAUSED_NEW and hasattr(self, "balance_gate_closed")
         output = schedule(self, *args, **kwargs)
@@ -72,6 +124,8 @@ def _traced_schedule(schedule: Any) -> Any:
             "cap": self.max_num_running_reqs,
             "rank": self.vllm_config.parallel_config.data_parallel_rank,
         }
+        if arm is not None:
+            _state["pending"]["arm"] = arm["arm"]
         if "gather_s" in _state:
             _state["pending"]["gather_s"] = _state.pop("gather_s")
         return output
@@ -82,6 +136,7 @@ def _traced_schedule(schedule: Any) -> Any:
 def _counted_sync(method: Any) -> Any:
     @functools.wraps(method)
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _state["engine"] = self
         result = method(self, *args, **kwargs)
         ended = time.monotonic()
         if _state["pending"] is not None:

@@ -1,0 +1,93 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""The real-engine bench's ``--same-server`` arms, switched on one balanced server by the step trace.
+
+Two servers of one configuration ran identical batches up to 25 % apart, so the bench can compare arms on one server:
+the step trace (``tests/e2e_cpu/real_forward/balance_real_forward/step_trace.py``) switches the gate rule and vLLM's
+prefill interval between runs. A switch that did nothing would compare an arm with itself and report 0 %, so each
+arm is checked here on a real ``BalanceScheduler``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+from offline_vllm import build_scheduler, make_vllm_config
+
+from vllm_ascend.core.balance_rule import RULE_ENV
+from vllm_ascend.core.balance_scheduler import BalanceScheduler, BalanceSchedulingMixin
+
+ROOT = Path(__file__).resolve().parents[3]
+CAP = 4
+
+
+def load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def step_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    module = load("bench_step_trace", ROOT / "tests/e2e_cpu/real_forward/balance_real_forward/step_trace.py")
+    monkeypatch.setenv(module.ARM_FILE_ENV, str(tmp_path / "arm.json"))
+    return module
+
+
+def test_bench_arms_map_to_a_gate_and_an_interval(step_trace: ModuleType) -> None:
+    arms = ("off", "off-b", "balance", "cap", "interval2", "balance+interval2")
+    settings = {arm: step_trace.same_server_arm(arm) for arm in arms}
+    assert {arm: (s["gate"], s["interval"]) for arm, s in settings.items()} == {
+        "off": ("off", 1), "off-b": ("off", 1), "balance": ("adaptive", 1), "cap": ("cap", 1),
+        "interval2": ("off", 2), "balance+interval2": ("adaptive", 2),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arm", "closed", "observed"),
+    [("off", False, 0), ("interval2", False, 0), ("cap", True, 0), ("balance", False, 1)],
+)
+def test_each_arm_decides_the_gate_its_own_way(
+    step_trace: ModuleType,
+    tiny_moe_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    arm: str,
+    closed: bool,
+    observed: int,
+) -> None:
+    monkeypatch.delenv(RULE_ENV, raising=False)  # the server's rule: the default, adaptive
+    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
+    hold = scheduler._balance_hold
+    engine = SimpleNamespace(prefill_schedule_interval=1)
+    step_trace._state["engine"] = engine
+    (tmp_path / "arm.json").write_text(json.dumps(step_trace.same_server_arm(arm)))
+    assert step_trace._read_arm()["arm"] == arm
+    assert engine.prefill_schedule_interval == (2 if "interval2" in arm else 1)
+    # Rank 0 at its cap, rank 1 with a free slot and a request waiting; each reports a finished 20 ms step.
+    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 1, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
+    scheduler._balance_closed = not closed
+    step_trace._armed_update(BalanceSchedulingMixin.balance_update)(scheduler)
+    assert scheduler.balance_gate_closed() is closed
+    # Only the adaptive arm moves the adaptive rule's state (it has not fitted yet, so it does not hold).
+    assert scheduler._balance_hold is hold and hold.steps == observed
