@@ -156,7 +156,7 @@ def cpu_times() -> list[int]:
 
 def steal_share(before: list[int], after: list[int]) -> float:
     """The share of the CPU time between two readings that the hypervisor gave to other guests (``steal``): on a
-    shared virtual machine it moved from 1 % to 28 % from one second to the next (stop 33), slowing every step."""
+    shared virtual machine it moved from 1 % to 28 % from one second to the next (stop 33)."""
     spent = [b - a for a, b in zip(before, after)]
     return spent[7] / max(sum(spent), 1)
 
