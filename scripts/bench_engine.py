@@ -229,18 +229,19 @@ def run_server(arms: list[str], max_num_seqs: int, regimes: list[Regime], model:
     ``arms`` in turn (rotated per repetition). One arm: the server is that arm's. Several (``--same-server``): the
     server is balanced and the step trace switches the arm before each run (``same_server_arm``). ``record`` gets
     each run as it ends."""
-    trace_dir = work / f"{'+'.join(arms) if len(arms) == 1 else 'same'}-{max_num_seqs}-{reps[0]}"
+    shared = len(arms) > 1
+    trace_dir = work / f"{'same' if shared else arms[0]}-{max_num_seqs}-{reps[0]}"
     trace_dir.mkdir(parents=True)
     max_len = max(int((r.input_len + r.output_len) * (1 + r.range_ratio)) for r in regimes) + 16
     env = {"BALANCE_STEP_TRACE_DIR": str(trace_dir), "VLLM_PLUGINS": REAL_FORWARD_PLUGINS + ",balance_step_trace"}
     if bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     arm_file = trace_dir / "arm.json"
-    if len(arms) > 1:
+    if shared:
         env[ARM_FILE_ENV] = str(arm_file)
         arm_file.write_text(json.dumps(same_server_arm("balance")))  # warm up with the adaptive rule learning
     server = Server(model, trace_dir / "serve.log",
-                    server_args(max_num_seqs, max_len) + arm_args(arms[0] if len(arms) == 1 else "balance"),
+                    server_args(max_num_seqs, max_len) + arm_args("balance" if shared else arms[0]),
                     real_forward=True, extra_env=env)  # fmt: skip
     with server:
         # One full wave of the first regime, so that no measured run is the server's first at a full batch.
@@ -248,13 +249,17 @@ def run_server(arms: list[str], max_num_seqs: int, regimes: list[Regime], model:
         run_client(bench_client_args(server, warm, seed=1000 + reps[0], num_prompts=warm.concurrency or 2 * DP_SIZE),
                    trace_dir / "client.log")  # fmt: skip
         for rep in reps:
-            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
             for regime in regimes:
-                for arm in order:
-                    if len(arms) > 1:
+                for arm in rotated(arms, rep):
+                    if shared:
                         arm_file.write_text(json.dumps(same_server_arm(arm)))
-                    record(measure(server, trace_dir, arm, regime, rep, shared=len(arms) > 1))
+                    record(measure(server, trace_dir, arm, regime, rep, shared))
     assert not server.leftovers, f"processes left after {arms}: {server.leftovers}"
+
+
+def rotated(arms: list[str], rep: int) -> list[str]:
+    """``arms`` in repetition ``rep``'s order: rotated, so that no arm always runs first."""
+    return arms[rep % len(arms) :] + arms[: rep % len(arms)]
 
 
 def measure(server: Server, trace_dir: Path, arm: str, regime: Regime, rep: int, shared: bool) -> dict[str, Any]:
@@ -435,7 +440,6 @@ def main() -> None:
     started, runs = time.monotonic(), []
     if args.from_runs:
         runs = json.loads(args.from_runs.read_text())
-        args.reps = 0
     else:
         model = real_moe_model()
 
@@ -446,7 +450,7 @@ def main() -> None:
     work = args.out / "servers"  # each server's log, client report and step trace, kept for a look afterwards
     if not args.from_runs:
         shutil.rmtree(work, ignore_errors=True)
-    if args.same_server:
+    if args.same_server and not args.from_runs:
         # Each of the servers runs every arm --reps times: pairs on one server, servers in turn.
         for index in range(args.same_server):
             for seqs in servers:
@@ -455,12 +459,11 @@ def main() -> None:
                 reps = list(range(index * args.reps, (index + 1) * args.reps))
                 run_server(arms, seqs, [r for r in regimes if r.max_num_seqs == seqs], model, args.bind, reps, work,
                            record)  # fmt: skip
-        args.reps = 0
-    total = args.reps * len(servers) * len(arms)
-    for rep in range(args.reps):
-        order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # rotated: no arm always runs first
+    separate_reps = 0 if args.from_runs or args.same_server else args.reps  # one server per arm and repetition
+    total = separate_reps * len(servers) * len(arms)
+    for rep in range(separate_reps):
         for seqs in servers:
-            for arm in order:
+            for arm in rotated(arms, rep):
                 done = len({(r["arm"], r["rep"], r["max_num_seqs"]) for r in runs})
                 print(f"[{done + 1}/{total}] rep {rep} {arm} max_num_seqs={seqs} "
                       f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
