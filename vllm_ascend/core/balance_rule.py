@@ -20,23 +20,34 @@ Upstream's rule (``cap``) keeps every rank from admitting for as long as any ran
 ranks' prefills, which pays where a step with a prefill on any rank costs every rank a fixed extra (graph mode: the
 step runs without its decode graph) and loses where it does not (an eager engine, measured: the idle slots cost
 more than the aligned prefills save). ``adaptive`` (the default) holds the gate closed only while the steps it holds
-have cost less than the one prefill step that aligning saves: a ski-rental bound, so a hold that never aligns costs
-at most that step, and on an engine without the fixed extra it never holds. A held step costs the free slots it
-keeps from waiting requests (their share of the step), but never less than an eighth of a decode step while any
-request waits: a held request can finish after all its peers and then run alone, every rank stepping for its tokens
-(measured on the real engine: a request held 85 steps, priced at 1/63 of a step each, ran 85 steps behind its wave
-and cost that closed loop 2-3 s of a 45 s run). So a hold lasts at most 8 x the saving in decode steps; the
-simulator's paper preset needs holds about that long (an eighth: +32 %, a quarter: +22 %, a whole step: +5 %,
-predicted). A hold saves that step only if
-the prefills it waits for do come together: its budget is the saving times the share of recent holds that ended
-with two or more ranks admitting at once (a moving average, 1 at first). Where they do not (a router that sends the
-next request to the rank with the free slot, not to the rank at its cap), holds shrink, then stop; the share drifts
-back towards 1 (over ~1000 steps), so the rule tries again later.
+have cost less than what aligning saves: a ski-rental bound, so a hold that never aligns costs at most that.
 
-Both costs are measured, from values every rank gathers each step (``ROW``), so every rank computes the same
-numbers: the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on
-(1, any prefill, the largest and the summed prefill tokens of the ranks, running requests); a decode step's time is
-the mean of steps without a prefill. Old steps fade out (a half-life of about 700 steps).
+What aligning saves is the fixed extra of a step with a prefill, less one decode step, and less the fit's error (two
+standard errors). Less a decode step: on the real engine (eager; the fit finds 4-160 ms beside 25-45 ms decode steps)
+the rule that held for the whole extra measured below stock where it held (re-priced, -0.9 to -5.5 %), though each
+hold's own idle slots cost less than that extra: what a hold also costs (the held requests out of step with their
+wave, the closed loop's arrivals re-forming around them) is not priced, so a saving under one step is not taken. Less
+the error: with few steps with a prefill, or prompts of one or two lengths, the fit cannot tell the fixed extra from
+the per-token cost (on the real engine it once put 82.6 ms there, later 0-12 ms). In graph mode (the simulator's paper
+preset: 710 ms beside a 93 ms step) it still holds (+29 % predicted, against +32 % holding for the whole extra); on
+the eager engine's traces it never does.
+
+A held step costs the free slots it keeps from waiting requests (their share of the step), but never less than an
+eighth of a decode step while any request waits: a held request can finish after all its peers and then run alone,
+every rank stepping for its tokens (measured on the real engine: a request held 85 steps, priced at 1/63 of a step
+each, ran 85 steps behind its wave and cost that closed loop 2-3 s of a 45 s run). So a hold lasts at most 8 x the
+saving in decode steps; the simulator's paper preset needs holds about that long (stop 31: an eighth +32 %, a
+quarter +22 %, a whole step +5 %, predicted). A hold saves only if the prefills it waits for do come together: its
+budget is the saving times the share of recent holds that ended with two or more ranks admitting at once (a moving
+average, 1 at first). Where they do not (a router that sends the next request to the rank with the free slot, not
+to the rank at its cap), holds shrink, then stop; the share drifts back towards 1 (over ~1000 steps), so the rule
+tries again.
+
+Every cost is measured, from values every rank gathers each step (``ROW``), so every rank computes the same numbers:
+the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on (1, any
+prefill, the largest and the summed prefill tokens of the ranks, running requests), its error from the fit's
+residual over the steps with a prefill; a decode step's time is the mean of steps without a prefill. Old steps fade
+out (a half-life of about 700 steps).
 """
 
 import os
@@ -50,7 +61,7 @@ RULE_ENV, RULE_KEY, RULES = "VLLM_ASCEND_BALANCE_GATE_RULE", "balance_gate_rule"
 # What each rank contributes per step: its balance_count, waiting requests, and the step it just finished: prefill
 # tokens and duration in microseconds (0: none finished since the last gather).
 ROW = ("count", "waiting", "prefill_tokens", "step_us")
-_FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER = 1 - 1 / 1024, 32, 64, 1 / 8
+_FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER, _SURE = 1 - 1 / 1024, 32, 64, 1 / 8, 2.0
 
 
 def gate_rule(vllm_config: VllmConfig) -> str:
@@ -68,9 +79,10 @@ class AdaptiveHold:
     """The ``adaptive`` rule's state; ``update`` runs once per gather on every rank, with identical rows."""
 
     def __init__(self) -> None:
-        # The fit's normal equations (plain floats: this runs every step; torch only solves them, every 32 steps).
-        self.xtx, self.xty = [[0.0] * 5 for _ in range(5)], [0.0] * 5
-        self.steps, self.decode_s, self.penalty_s, self.held_s, self.aligned = 0, 0.0, 0.0, 0.0, 1.0
+        # Faded sums of z z^T, z = (1, any prefill, largest and summed prefill tokens, running, step seconds): the fit's
+        # normal equations and its residual (plain floats: this runs every step; torch solves them every 32 steps).
+        self.moments = [[0.0] * 6 for _ in range(6)]
+        self.steps, self.decode_s, self.penalty_s, self.saving_s, self.held_s, self.aligned = 0, 0.0, 0.0, 0.0, 0.0, 1.0
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
     def update(self, rows: list[list[int]], cap: int) -> bool:
@@ -87,30 +99,35 @@ class AdaptiveHold:
         idle = sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap)
         cost_s = self.decode_s * max(idle / max(sum(counts), 1), _STRAGGLER * bool(idle))
         # Past the budget the hold expires unaligned: admit now; a new hold starts at the next full rank.
-        expired = self.held_s + cost_s > self.penalty_s * self.aligned
+        expired = self.held_s + cost_s > self.saving_s * self.aligned
         self.held_s, self.aligned = (0.0, self.aligned * 3 / 4) if expired else (self.held_s + cost_s, self.aligned)
         return not expired
 
     def _observe(self, step_s: float, largest: int, total: int, running: int, full: int) -> None:
-        features = (1.0, float(largest > 0), float(largest), float(total), float(running))
-        for row, x in zip(self.xtx, features):
-            row[:] = [value * _FADE + x * y for value, y in zip(row, features)]
-        self.xty = [value * _FADE + x * step_s for value, x in zip(self.xty, features)]
+        z = (1.0, float(largest > 0), float(largest), float(total), float(running), step_s)
+        for row, x in zip(self.moments, z):
+            row[:] = [value * _FADE + x * y for value, y in zip(row, z)]
         # Old hold outcomes fade as the fit's old steps do: the share drifts back to 1, so holds are tried again.
-        self.steps, self.aligned = self.steps + 1, 1 - (1 - self.aligned) * _FADE
-        # Refit once both kinds of step were seen (xtx[1][1] weighs the steps with a prefill, xtx[0][0] all); a small
+        self.steps, self.aligned, m = self.steps + 1, 1 - (1 - self.aligned) * _FADE, self.moments
+        # Refit once both kinds of step were seen (m[1][1] weighs the steps with a prefill, m[0][0] all); a small
         # ridge keeps the fit defined while features are collinear (one rank prefilling, or none).
-        if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < self.xtx[1][1] < self.xtx[0][0]:
+        if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < m[1][1] < m[0][0]:
             return
-        xtx = torch.tensor(self.xtx, dtype=torch.float64) + 1e-6 * torch.eye(5, dtype=torch.float64)
-        coef = torch.linalg.solve(xtx, torch.tensor(self.xty, dtype=torch.float64)).tolist()
-        self.penalty_s, self.decode_s = max(coef[1], 0.0), max(coef[0] + coef[4] * running, 1e-6)
+        sums = torch.tensor(m, dtype=torch.float64) + 1e-6 * torch.eye(6, dtype=torch.float64)
+        coef = (inverse := torch.linalg.inv(sums[:5, :5])) @ sums[:5, 5]
+        # The fixed extra's standard error, large where the features cannot tell it from the per-token cost (prompts of
+        # one or two lengths). The residual is the prefill steps' (theirs vary by hundreds of ms, a decode step's by a
+        # few), so its variance is over their count, not all steps'.
+        variance = max(float(sums[5, 5] - coef @ sums[:5, 5]), 0.0) / max(m[1][1] - 5, 1.0)
+        self.penalty_s, error_s = float(coef[1]), _SURE * (variance * float(inverse[1, 1])) ** 0.5
+        self.decode_s = max((m[0][5] - m[1][5]) / (m[0][0] - m[1][1]), 1e-6)  # the mean step without a prefill
+        self.saving_s = max(self.penalty_s - error_s - self.decode_s, 0.0)
         # Anything to hold for: does the expected saving cover one idle slot-step at full load (every rank at its cap)?
-        if (holding := self.penalty_s * self.aligned > self.decode_s / full) != self.holding:
+        if (holding := self.saving_s * self.aligned > self.decode_s / full) != self.holding:
             verdict = ("holds admissions while a rank is at its cap, for at most that cost in steps" if holding else
                        "admits without waiting (aligning prefills would save less than one slot-step)")  # fmt: skip
             logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
-                        "%.1f ms more than a decode step of %d requests (%.1f ms); %.0f %% of recent holds ended with "
-                        "two or more ranks admitting.", verdict, self.penalty_s * 1e3, running, self.decode_s * 1e3,
-                        100 * self.aligned)  # fmt: skip
+                        "%.1f ms (+- %.1f) more than one without (%.1f ms), so a hold saves at most %.1f ms; %.0f %% "
+                        "of recent holds ended with two or more ranks admitting.", verdict, self.penalty_s * 1e3,
+                        error_s * 1e3, self.decode_s * 1e3, self.saving_s * 1e3, 100 * self.aligned)  # fmt: skip
             self.holding = holding

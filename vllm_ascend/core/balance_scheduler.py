@@ -97,9 +97,8 @@ class BalanceSchedulingMixin:
         self._balance_rows = torch.zeros(dp_size, len(ROW), dtype=torch.int32)
         self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
         self._balance_gather_into = list(self._balance_rows.split(1))  # all_gather's output list, made once
-        self.balance_rule = gate_rule(self.vllm_config)
-        self._balance_hold, self._balance_closed = AdaptiveHold() if self.balance_rule == "adaptive" else None, False
-        self.balance_steps, self.balance_gated_steps = 0, 0
+        self._balance_hold = AdaptiveHold() if gate_rule(self.vllm_config) == "adaptive" else None
+        self.balance_steps, self.balance_gated_steps, self._balance_closed = 0, 0, False
         # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
         self.balance_waiting_gated_steps, self._balance_sent = 0, (0, 0, 0)
         if dp_size == 1:
