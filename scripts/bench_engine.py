@@ -382,6 +382,34 @@ def explain(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
+    """The shipped adaptive rule fed each run's measured steps (one rule per ``max_num_seqs``, runs in order, as one
+    long-lived server would see them): where it would be holding, and its last fit. The steps are the measurement, so
+    this is deterministic: what the rule makes of this engine, whatever the machine's speed did to the pairs."""
+    from vllm_ascend.core.balance_rule import AdaptiveHold
+
+    holds: dict[int, AdaptiveHold] = {}
+    lines = []
+    for run in runs:
+        hold, holding = holds.setdefault(run["max_num_seqs"], AdaptiveHold()), 0
+        by_it: dict[int, dict[int, dict[str, Any]]] = {}
+        for record in run["engine"]["records"]:
+            by_it.setdefault(record["it"], {})[record["rank"]] = record
+        steps = [ranks for _, ranks in sorted(by_it.items()) if all("dt" in r for r in ranks.values())]
+        for ranks in steps:
+            rows = [
+                [r["running"], r["waiting"], r["prefill_tokens"], int(r["dt"] * 1e6)] for _, r in sorted(ranks.items())
+            ]
+            hold.update(rows, run["max_num_seqs"])
+            holding += bool(hold.holding)
+        lines.append(
+            f"{run['regime']} {run['arm']} rep {run['rep']}: holding in {holding} of {len(steps)} steps; fixed extra "
+            f"{hold.penalty_s * 1e3:.1f} ms beside a {hold.decode_s * 1e3:.1f} ms decode step, saving "
+            f"{hold.saving_s * 1e3:.1f} ms"
+        )
+    return lines
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -474,7 +502,9 @@ def main() -> None:
     print_table(rows)
     notes = explain(rows)
     print("\n" + "\n".join(notes))
-    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "explain": notes}
+    replayed = replay_rule(runs)
+    print("\nThe adaptive rule replayed on the measured steps:\n" + "\n".join(replayed))
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "explain": notes, "replay": replayed}
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot(rows, args.out / "bench.png")
     print(f"\nwrote {args.out}/bench.json, runs.json, bench.png; wall {time.monotonic() - started:.0f} s")

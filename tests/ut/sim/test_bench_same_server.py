@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 from offline_vllm import build_scheduler, make_vllm_config
@@ -43,6 +45,7 @@ def load(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -91,3 +94,30 @@ def test_each_arm_decides_the_gate_its_own_way(
     assert scheduler.balance_gate_closed() is closed
     # Only the adaptive arm moves the adaptive rule's state (it has not fitted yet, so it does not hold).
     assert scheduler._balance_hold is hold and hold.steps == observed
+
+
+def _run_of(step_ms: Any, steps: int, cap: int = 32) -> dict[str, Any]:
+    """A bench run whose trace has ``steps`` two-rank steps: rank 0 prefills every fourth step, rank 1 every fifth
+    (256-2048 tokens), each step lasting ``step_ms(prefill tokens of the group)``."""
+    records = []
+    for it in range(steps):
+        prefill = [256 * (1 + it % 7) * (it % 4 == 0), 256 * (1 + it % 3) * (it % 5 == 0)]
+        for rank in range(2):
+            dt = step_ms(prefill) / 1000 * (1 + 0.01 * ((it * 7 + rank) % 5))
+            records.append(
+                {"it": it, "rank": rank, "running": cap - 2, "waiting": 0, "prefill_tokens": prefill[rank], "dt": dt}
+            )
+    return {"regime": "closed-32-fixed", "arm": "off", "rep": 0, "max_num_seqs": cap, "engine": {"records": records}}
+
+
+def test_the_rule_replayed_on_measured_steps_holds_only_for_a_fixed_extra_beyond_a_decode_step() -> None:
+    """``bench_engine.replay_rule`` feeds the product's adaptive rule a run's measured steps: an engine whose prefill
+    step costs every rank 300 ms more than its tokens (graph mode) makes it hold; one whose extra is 10 ms beside a
+    40 ms decode step (eager) does not."""
+    bench = load("bench_engine_replay", ROOT / "scripts/bench_engine.py")
+    graph = _run_of(lambda p: 40 + 300 * any(p) + 0.1 * max(p) + 0.05 * sum(p), 400)
+    eager = _run_of(lambda p: 40 + 10 * any(p) + 0.1 * max(p) + 0.05 * sum(p), 400)
+    (held,), (not_held,) = bench.replay_rule([graph]), bench.replay_rule([eager])
+    assert held.startswith("closed-32-fixed off rep 0: holding in ") and "holding in 0 of" not in held, held
+    assert "fixed extra 30" in held and "saving 2" in held, held
+    assert "holding in 0 of 400 steps" in not_held and "saving 0.0 ms" in not_held, not_held
