@@ -23,7 +23,7 @@ more than the aligned prefills save). ``adaptive`` (the default) holds the gate 
 have cost less than what aligning saves: a ski-rental bound, so a hold that never aligns costs at most that.
 
 What aligning saves is the fixed extra of a step with a prefill, less one decode step, and less the fit's error (two
-standard errors). Less a decode step: on the real engine (eager; the fit finds 4-160 ms beside 25-45 ms decode steps)
+standard errors). Less a decode step: on the real engine (eager; the fit finds 4-160 ms beside 22-48 ms decode steps)
 the rule that held for the whole extra measured below stock where it held (re-priced, -0.9 to -5.5 %), though each
 hold's own idle slots cost less than that extra: what a hold also costs (the held requests out of step with their
 wave, the closed loop's arrivals re-forming around them) is not priced, so a saving under one step is not taken. Less
