@@ -386,15 +386,15 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
     """The shipped adaptive rule fed each run's measured steps (one rule per ``max_num_seqs``, runs in order, as one
     long-lived server would see them): where it would be holding, and its last fit. The steps are the measurement, so
     this is deterministic: what the rule makes of this engine, whatever the machine's speed did to the pairs."""
+    from dpsim.trace_fit import by_iteration
+
     from vllm_ascend.core.balance_rule import AdaptiveHold
 
     holds: dict[int, AdaptiveHold] = {}
     lines = []
     for run in runs:
         hold, holding = holds.setdefault(run["max_num_seqs"], AdaptiveHold()), 0
-        by_it: dict[int, dict[int, dict[str, Any]]] = {}
-        for record in run["engine"]["records"]:
-            by_it.setdefault(record["it"], {})[record["rank"]] = record
+        by_it = by_iteration(run["engine"]["records"])
         steps = [ranks for _, ranks in sorted(by_it.items()) if all("dt" in r for r in ranks.values())]
         for ranks in steps:
             rows = [

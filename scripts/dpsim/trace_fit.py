@@ -75,12 +75,18 @@ def load_runs(path: Path, arm: str | None = None, regimes: list[str] | None = No
     return [r for r in data if (arm is None or r["arm"] == arm) and (not regimes or r["regime"] in regimes)]
 
 
+def by_iteration(records: list[dict[str, Any]]) -> dict[int, dict[int, dict[str, Any]]]:
+    """A run's step-trace records by engine iteration, then by DP rank."""
+    by_it: dict[int, dict[int, dict[str, Any]]] = {}
+    for record in records:
+        by_it.setdefault(record["it"], {})[record["rank"]] = record
+    return by_it
+
+
 def steps_of(runs: list[dict[str, Any]]) -> Steps:
     prefill, decode, cost = [], [], []
     for run in runs:
-        by_it: dict[int, dict[int, dict[str, Any]]] = {}
-        for record in run["engine"]["records"]:
-            by_it.setdefault(record["it"], {})[record["rank"]] = record
+        by_it = by_iteration(run["engine"]["records"])
         ranks = sorted({r for rs in by_it.values() for r in rs})
         for it, records in by_it.items():
             successor = by_it.get(it + 1)

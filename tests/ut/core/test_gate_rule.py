@@ -40,14 +40,19 @@ DECODE_MS, PER_TOKEN_MS = 20.0, 0.05
 
 
 def group_steps(
-    hold: AdaptiveHold, steps: int, penalty_ms: float, seed: int = 0, noise: float = 0.02, prompts=(128, 512, 1024)
+    hold: AdaptiveHold,
+    steps: int,
+    penalty_ms: float,
+    seed: int = 0,
+    noise: float = 0.02,
+    prompts: tuple[int, ...] = (128, 512, 1024),
 ) -> None:
     """``steps`` steps of a DP group below its cap: a rank prefills in about one step of three (one of ``prompts``
     tokens), each step costing DECODE_MS, plus ``penalty_ms`` when any rank prefills, plus PER_TOKEN_MS per prefill
     token of the whole group (an EP all-gather MoE: every rank pays for every rank's tokens); +- ``noise``."""
     rng = random.Random(seed)
     for _ in range(steps):
-        prefill = [rng.choice((0,) * (2 * len(prompts) - 1) + tuple(prompts)) for _ in range(DP)]
+        prefill = [rng.choice((0,) * (2 * len(prompts) - 1) + prompts) for _ in range(DP)]
         ms = DECODE_MS + (penalty_ms if any(prefill) else 0) + PER_TOKEN_MS * sum(prefill)
         rows = [[CAP - 1, 0, tokens, int(ms * 1000 * rng.uniform(1 - noise, 1 + noise))] for tokens in prefill]
         assert hold.update(rows, CAP) is False  # no rank at its cap: never closed
