@@ -227,10 +227,12 @@ def _tracked_files(root: Path) -> list[str]:
     """Every file under root, repository-relative, skipping caches and virtual environments."""
     skip = {".git", "__pycache__", ".pytest_cache", "build"}
     found = []
-    for path in root.rglob("*"):
-        rel = path.relative_to(root)
-        if path.is_file() and not (set(rel.parts) & skip) and not rel.parts[0].startswith(".venv"):
-            found.append(rel.as_posix())
+    for folder, dirs, names in os.walk(root):
+        # Pruned, not filtered: CI builds the other lines' venvs while this runs, and a walk into a venv that
+        # pip is rewriting meets folders that vanish under it.
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".venv")]
+        rel = Path(folder).relative_to(root)
+        found.extend((rel / name).as_posix() for name in names if (Path(folder) / name).is_file())
     return sorted(found)
 
 

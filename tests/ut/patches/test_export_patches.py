@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import hashlib
 import importlib.metadata as metadata
+import os
 import re
 import shutil
 import subprocess
@@ -168,6 +169,27 @@ def test_an_unclassified_file_is_refused_by_name(repo: Path, manifest: Manifest)
     (repo / "tests/ut/sim/test_new.py").write_text("")
     with pytest.raises(ExportError, match=r"tests/ut/sim/test_new.py"):
         resolve(manifest, repo)
+
+
+def test_the_walk_never_enters_a_venv_or_a_cache(
+    repo: Path, manifest: Manifest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI builds the other lines' venvs while a line's tests resolve the series: a walk into one meets folders
+    that pip removes under it (FileNotFoundError), so the walk must never look inside."""
+    for ignored in (".venv-v0.33.0/lib/site-packages/pkg/__pycache__", "vllm_ascend/__pycache__", ".git/objects"):
+        (repo / ignored).mkdir(parents=True)
+        (repo / ignored / "x.py").write_text("")
+    scanned: list[str] = []
+    real_scandir = os.scandir
+
+    def recording_scandir(path: str | Path = ".") -> object:
+        scanned.append(Path(path).relative_to(repo).as_posix())
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", recording_scandir)
+    resolve(manifest, repo)
+    assert "tests/ut/engine" in scanned
+    assert not [path for path in scanned if path.startswith((".venv", ".git")) or "__pycache__" in path]
 
 
 def test_two_files_mapping_to_one_target_are_refused(repo: Path, manifest: Manifest) -> None:
