@@ -21,9 +21,10 @@ def test_released_copy_loads_without_rebinding_vllm() -> None:
 
 
 def test_tiny_benchmark_prints_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_overhead.main(["--dp-sizes", "4", "--running", "4", "--steps", "3"]) == 0
+    assert bench_overhead.main(["--dp-sizes", "4", "--running", "4", "--steps", "3", "--instances", "2"]) == 0
     out = capsys.readouterr().out
     assert "ours on, gate closed ×" in out and "gate read of balance_queue alone" in out
+    assert "stock again (A/A) ×" in out and "2 schedulers per variant, 3 steps each" in out
     header, rule, row = out.splitlines()[2:5]
     assert header.split()[:3] == ["DP", "stock", "µs"] and set(rule) == {"-"}
     assert row.split()[0] == "4" and all(float(cell) > 0 for cell in row.split()[1:])
@@ -34,3 +35,10 @@ def test_bad_dp_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         bench_overhead.main(["--dp-sizes", "0,4"])
     assert exc_info.value.code == 2
     assert "DP sizes must be >= 1" in capsys.readouterr().err
+
+
+def test_the_target_is_ours_worst_beside_stock_against_itself() -> None:
+    """The verdict judges ours' three variants only: never stock against itself (first) or vllm-ascend's copy (last)."""
+    line = bench_overhead.target_verdict("ours", [1.5, 1.01, 1.0, 0.99, 2.0])
+    assert line.endswith("1.010x -> met (stock against itself: 1.500x)")
+    assert "1.030x -> NOT met" in bench_overhead.target_verdict("ours", [1.0, 1.0, 1.03, 0.99])
