@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """What balance scheduling adds to ``Scheduler.schedule()``, measured as ratios in one run.
 
-Why: the gate runs on every step of every DP rank; it must cost next to nothing. For each DP size
-(the length of ``balance_queue``) this times ``schedule()`` at 128 running requests (the cap,
-with a few more waiting) for vLLM's stock ``Scheduler``, ours with balance off, ours with balance
-on and the gate open, ours with the gate closed and, when the vllm-ascend wheel is installed, its
-released copy (0.18.0) with the gate closed. Variants are interleaved step by step, in a shuffled order, so machine
-noise hits them alike, each built several times (``--instances``: where a scheduler lands in memory
-moves its step by a few per cent) with its samples pooled; the median thread CPU time per step of
-each is reported as a ratio to stock, beside stock against itself (A/A), the run's noise floor.
+Why: the gate runs on every step of every DP rank; it must cost next to nothing. For each DP size (the length
+of ``balance_queue``) this times ``schedule()`` at 128 running requests (the cap, with a few more waiting) for
+vLLM's stock ``Scheduler`` (twice: stock against itself), ours with the gate open, ours with the gate closed,
+ours with the adaptive rule and a rank at its cap and, when the vllm-ascend wheel is installed, its released
+copy (0.18.0) with the gate closed. Variants are interleaved step by step, in a shuffled order, so machine
+noise hits them alike, each built several times (``--instances``: where a scheduler lands in memory moves its
+step by a few per cent) with its samples pooled; the median thread CPU time per step of each is reported as a
+ratio to stock, beside stock against itself (A/A), the run's noise floor.
 A second table times ``schedule()`` plus ``make_stats()`` (what a step costs with the gate's
 metrics on: ours carries its counts to vLLM's /metrics in the stats, see balance_metrics), a
 third the whole step (``update_from_output()``, which makes the stats, and the gate's decision on
@@ -145,7 +145,7 @@ class Subject:
         self.whole_ns: list[int] = []  # schedule() + update_from_output() + the gate's per-gather update
         self.queue_value = queue_value  # from now on every step ends with the gather's rows (balance on)
 
-    def _step(self) -> tuple[int, int]:
+    def _step(self) -> tuple[int, int, int]:
         # CPU time of this thread: other processes on a shared machine do not inflate it.
         started = time.thread_time_ns()
         output = self.scheduler.schedule()
@@ -182,14 +182,9 @@ class Subject:
             self.whole_ns.append(whole)
 
 
-def median_us(instances: list[Subject], with_stats: bool = False, whole: bool = False) -> float:
-    """The median step of a variant, its instances' samples pooled."""
-    samples = [
-        ns
-        for subject in instances
-        for ns in (subject.whole_ns if whole else subject.with_stats_ns if with_stats else subject.samples_ns)
-    ]
-    return statistics.median(samples) / 1000.0
+def median_us(instances: list[Subject], samples: str) -> float:
+    """The median of a variant's ``samples`` (a Subject's list of them), its instances' samples pooled."""
+    return statistics.median(ns for subject in instances for ns in getattr(subject, samples)) / 1000.0
 
 
 def gate_read_costs(dp_size: int, cap: int, repeats: int = 2000) -> dict[str, float]:
@@ -303,19 +298,15 @@ def main(argv: list[str] | None = None) -> int:
                     gc.collect()
         finally:
             gc.enable()
-        base = median_us(by_variant[0])
-        ratios = [median_us(instances) / base for instances in by_variant[1:]]
-        rows.append([str(dp_size), f"{base:.0f}"] + [f"{ratio:.3f}" for ratio in ratios])
-        stats_base = median_us(by_variant[0], with_stats=True)
-        stats_ratios = [median_us(instances, with_stats=True) / stats_base for instances in by_variant[1:]]
-        stats_rows.append([str(dp_size), f"{stats_base:.0f}"] + [f"{ratio:.3f}" for ratio in stats_ratios])
-        whole_base = median_us(by_variant[0], whole=True)
-        whole_ratios = [median_us(instances, whole=True) / whole_base for instances in by_variant[1:]]
-        whole_rows.append([str(dp_size), f"{whole_base:.0f}"] + [f"{ratio:.3f}" for ratio in whole_ratios])
+        ratios: dict[str, list[float]] = {}
+        for table, samples in ((rows, "samples_ns"), (stats_rows, "with_stats_ns"), (whole_rows, "whole_ns")):
+            base = median_us(by_variant[0], samples)
+            ratios[samples] = [median_us(instances, samples) / base for instances in by_variant[1:]]
+            table.append([str(dp_size), f"{base:.0f}"] + [f"{ratio:.3f}" for ratio in ratios[samples]])
         if dp_size == TARGET_DP:
-            verdict = target_verdict("ours with balance on", ratios)
-            stats_verdict = target_verdict("ours with balance on and its metrics", stats_ratios)
-            whole_verdict = target_verdict("a whole step of ours, either rule,", whole_ratios)
+            verdict = target_verdict("ours with balance on", ratios["samples_ns"])
+            stats_verdict = target_verdict("ours with balance on and its metrics", ratios["with_stats_ns"])
+            whole_verdict = target_verdict("a whole step of ours, either rule,", ratios["whole_ns"])
         reads.append((dp_size, gate_read_costs(dp_size, args.running)))
     print_table(rows)
     if verdict:
