@@ -387,6 +387,7 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
     long-lived server would see them): where it would be holding, and its last fit. The steps are the measurement, so
     this is deterministic: what the rule makes of this engine, whatever the machine's speed did to the pairs."""
     from dpsim.trace_fit import by_iteration
+    from offline_vllm import gathered
 
     from vllm_ascend.core.balance_rule import AdaptiveHold
 
@@ -400,7 +401,7 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
             rows = [
                 [r["running"], r["waiting"], r["prefill_tokens"], int(r["dt"] * 1e6)] for _, r in sorted(ranks.items())
             ]
-            hold.update(rows, run["max_num_seqs"])
+            hold.update(gathered(rows, run["max_num_seqs"]), run["max_num_seqs"])
             holding += bool(hold.holding)
         lines.append(
             f"{run['regime']} {run['arm']} rep {run['rep']}: holding in {holding} of {len(steps)} steps; fixed extra "

@@ -110,13 +110,11 @@ def balance_settings(vllm_config: VllmConfig) -> dict[str, Any]:
     0.31's ``max_num_active_seqs``, which lowers the admission cap when set), the gate rule, and the code of the
     gate and the gather (two ranks of different package versions but the same code agree)."""
     paths = (balance_scheduler.__file__, balance_rule.__file__, balance_seam.__file__, __file__)
-    sources = b"".join(Path(path).read_bytes() for path in paths)
-    scheduler = vllm_config.scheduler_config
     return {
-        "cap": scheduler.max_num_seqs,
-        "active_cap": getattr(scheduler, "max_num_active_seqs", None),
+        "cap": vllm_config.scheduler_config.max_num_seqs,
+        "active_cap": getattr(vllm_config.scheduler_config, "max_num_active_seqs", None),
         "rule": balance_rule.gate_rule(vllm_config),
-        "code": hashlib.sha256(sources).hexdigest()[:12],
+        "code": hashlib.sha256(b"".join(Path(path).read_bytes() for path in paths)).hexdigest()[:12],
     }
 
 

@@ -47,7 +47,8 @@ Every cost is measured, from values every rank gathers each step (``ROW``), so e
 the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on (1, any
 prefill, the largest and the summed prefill tokens of the ranks, running requests), its error from the fit's
 residual over the steps with a prefill; a decode step's time is the mean of steps without a prefill. Old steps fade
-out (a half-life of about 700 steps).
+out (a half-life of about 700 steps). A step reads only the rows' column maxima and sums (two numpy reductions, not
+Python over DP rows) and keeps the fit's inputs until its next refit: at DP 64 that halves the rule's per-step cost.
 """
 
 import os
@@ -58,10 +59,15 @@ from vllm.config import VllmConfig
 from vllm.logger import logger
 
 RULE_ENV, RULE_KEY, RULES = "VLLM_ASCEND_BALANCE_GATE_RULE", "balance_gate_rule", ("adaptive", "cap")
-# What each rank contributes per step: its balance_count, waiting requests, and the step it just finished: prefill
-# tokens and duration in microseconds (0: none finished since the last gather).
-ROW = ("count", "waiting", "prefill_tokens", "step_us")
+# What each rank contributes per step (``rank_row``): its balance_count, the waiting requests it would admit now, and
+# the step it just finished: prefill tokens and duration in microseconds (0: none finished since the last gather).
+ROW = ("count", "admissible", "prefill_tokens", "step_us")
 _FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER, _SURE = 1 - 1 / 1024, 32, 64, 1 / 8, 2.0
+
+
+def rank_row(count: int, waiting: int, cap: int, step: tuple[int, int]) -> list[int]:
+    """One rank's ``ROW``: admissible is what its free slots would take of its waiting requests."""
+    return [count, max(min(cap - count, waiting), 0), *step]
 
 
 def gate_rule(vllm_config: VllmConfig) -> str:
@@ -80,40 +86,42 @@ class AdaptiveHold:
 
     def __init__(self) -> None:
         # Faded sums of z z^T, z = (1, any prefill, largest and summed prefill tokens, running, step seconds): the fit's
-        # normal equations and its residual (plain floats: this runs every step; torch solves them every 32 steps).
-        self.moments = [[0.0] * 6 for _ in range(6)]
+        # normal equations and its residual; the steps' z since the last refit wait in `fresh`.
+        self.moments, self.fresh = torch.zeros(6, 6, dtype=torch.float64), []
         self.steps, self.decode_s, self.penalty_s, self.saving_s, self.held_s, self.aligned = 0, 0.0, 0.0, 0.0, 0.0, 1.0
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
-    def update(self, rows: list[list[int]], cap: int) -> bool:
-        """Learn from the step the rows report, then decide whether the gate is closed for the next step."""
-        counts, waiting, prefill, step_us = zip(*rows)
-        if longest := max(step_us):
-            self._observe(longest / 1e6, max(prefill), sum(prefill), sum(counts), len(rows) * cap)
-        if max(counts) < cap or not self.holding:
-            # A hold ends as its rank leaves the cap: it aligned if two or more ranks admit now.
-            together = bool(self.held_s) and sum(n < cap and w > 0 for n, w in zip(counts, waiting)) > 1
-            self.aligned, self.held_s = (3 * self.aligned + together) / 4 if self.held_s else self.aligned, 0.0
+    def update(self, columns: list[list[int]], cap: int) -> bool:
+        """Learn from the step the gathered ``rank_row``s report, then decide whether the gate is closed for the next
+        step. ``columns``: one list per ``ROW`` field, of every rank's value (max and sum are all the rule reads)."""
+        (most, peak, largest, longest), (running, admits, prefill, _) = map(max, columns), map(sum, columns)
+        if longest:
+            self.fresh.append((1.0, float(largest > 0), float(largest), float(prefill), float(running), longest / 1e6))
+            # Old hold outcomes fade as the fit's old steps do: the share drifts back to 1, so holds are tried again.
+            self.steps, self.aligned = self.steps + 1, 1 - (1 - self.aligned) * _FADE
+            if self.steps % _REFIT_EVERY == 0:
+                self._refit(len(columns[0]) * cap)
+        if most < cap or not self.holding:
+            # A hold ends as its rank leaves the cap: it aligned if two or more ranks admit now (the
+            # admissible requests' sum exceeds their largest).
+            self.aligned, self.held_s = (3 * self.aligned + (admits > peak)) / 4 if self.held_s else self.aligned, 0.0
             return False
         # One more held step costs the requests it keeps from free slots, and at least _STRAGGLER of it (a straggler).
-        idle = sum(min(cap - n, w) for n, w in zip(counts, waiting) if n < cap)
-        cost_s = self.decode_s * max(idle / max(sum(counts), 1), _STRAGGLER * bool(idle))
+        cost_s = self.decode_s * max(admits / max(running, 1), _STRAGGLER * bool(admits))
         # Past the budget the hold expires unaligned: admit now; a new hold starts at the next full rank.
         expired = self.held_s + cost_s > self.saving_s * self.aligned
         self.held_s, self.aligned = (0.0, self.aligned * 3 / 4) if expired else (self.held_s + cost_s, self.aligned)
         return not expired
 
-    def _observe(self, step_s: float, largest: int, total: int, running: int, full: int) -> None:
-        z = (1.0, float(largest > 0), float(largest), float(total), float(running), step_s)
-        for row, x in zip(self.moments, z):
-            row[:] = [value * _FADE + x * y for value, y in zip(row, z)]
-        # Old hold outcomes fade as the fit's old steps do: the share drifts back to 1, so holds are tried again.
-        self.steps, self.aligned, m = self.steps + 1, 1 - (1 - self.aligned) * _FADE, self.moments
+    def _refit(self, full: int) -> None:
+        # The steps since the last refit fold in at once, each faded as if folded in its turn (the newest weighs 1).
+        z, self.fresh = torch.tensor(self.fresh, dtype=torch.float64), []
+        self.moments = self.moments * _FADE ** len(z) + (z.T * _FADE ** torch.arange(len(z) - 1, -1, -1.0).double()) @ z
         # Refit once both kinds of step were seen (m[1][1] weighs the steps with a prefill, m[0][0] all); a small
         # ridge keeps the fit defined while features are collinear (one rank prefilling, or none).
-        if self.steps % _REFIT_EVERY or self.steps < _MIN_STEPS or not 0 < m[1][1] < m[0][0]:
+        if self.steps < _MIN_STEPS or not 0 < (m := self.moments.tolist())[1][1] < m[0][0]:
             return
-        sums = torch.tensor(m, dtype=torch.float64) + 1e-6 * torch.eye(6, dtype=torch.float64)
+        sums = self.moments + 1e-6 * torch.eye(6, dtype=torch.float64)
         coef = (inverse := torch.linalg.inv(sums[:5, :5])) @ sums[:5, 5]
         # The fixed extra's standard error, large where the features cannot tell it from the per-token cost (prompts of
         # one or two lengths). The residual is the prefill steps' (theirs vary by hundreds of ms, a decode step's by a

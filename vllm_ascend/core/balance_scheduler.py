@@ -52,7 +52,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_ascend.core.balance_rule import ROW, AdaptiveHold, gate_rule
+from vllm_ascend.core.balance_rule import ROW, AdaptiveHold, gate_rule, rank_row
 from vllm_ascend.core.balance_seam import CAP_COUNTS, refuse_if, schedule_seam
 
 # The gate's counts ride to the front-end (balance_metrics) under this key prefix in SchedulerStats'
@@ -90,18 +90,19 @@ class BalanceSchedulingMixin:
         # vLLM >= 0.32 drains KV-holding requests under PAUSED_NEW, before its cap test: a gated step holds it at 0.
         self._balance_held_caps = (seam.cap.attribute,) if seam.cap.held_at_zero else ()
         super().__init__(*args, **kwargs)
-        dp_size = self.vllm_config.parallel_config.data_parallel_size
         # One row per DP rank (balance_rule.ROW), gathered in one collective; balance_queue is, as upstream, one
         # int32 CPU tensor per rank holding its count: views of the rows' first column. Write in place (all_gather
         # does), never rebind the list's items.
-        self._balance_rows = torch.zeros(dp_size, len(ROW), dtype=torch.int32)
+        self._balance_rows = torch.zeros(self.parallel_config.data_parallel_size, len(ROW), dtype=torch.int32)
         self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
         self._balance_gather_into = list(self._balance_rows.split(1))  # all_gather's output list, made once
+        # The rows as one flat view, read each step without torch (its dispatcher is cold after a step; see below).
+        self._balance_flat = memoryview(self._balance_rows.numpy().reshape(-1))
         self._balance_hold = AdaptiveHold() if gate_rule(self.vllm_config) == "adaptive" else None
         self.balance_steps, self.balance_gated_steps, self._balance_closed = 0, 0, False
         # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
         self.balance_waiting_gated_steps, self._balance_sent = 0, (0, 0, 0)
-        if dp_size == 1:
+        if len(self.balance_queue) == 1:
             # Also each engine of a dense model: vLLM runs its DP ranks as independent engines.
             logger.warning_once(
                 "Balance scheduling has no effect with data_parallel_size=1 (nothing to balance; dense models run "
@@ -120,8 +121,8 @@ class BalanceSchedulingMixin:
 
     def balance_row(self) -> list[int]:
         """This rank's gathered values (``balance_rule.ROW``); the finished step is reported once."""
-        row, self._balance_step = [self.balance_count(), self.get_request_counts()[1], *self._balance_step], (0, 0)
-        return row
+        step, self._balance_step = self._balance_step, (0, 0)
+        return rank_row(self.balance_count(), self.get_request_counts()[1], self.balance_gate_threshold, step)
 
     def balance_gather(self, dp_group: ProcessGroup) -> None:
         """All-gather every rank's ``balance_row()``, then decide the gate for the next step (``balance_update``).
@@ -140,8 +141,9 @@ class BalanceSchedulingMixin:
         is at the threshold (``cap``), and, with the ``adaptive`` rule, until its hold has idled what aligning saves.
         Decided here, once per gather, so that the step reads a bool (a torch op in the step costs more than it
         seems: the step's own work evicts torch's dispatcher from the caches)."""
-        rows, cap, hold = self._balance_rows.tolist(), self.balance_gate_threshold, self._balance_hold
-        self._balance_closed = hold.update(rows, cap) if hold else max(row[0] for row in rows) >= cap
+        flat, cap, hold = self._balance_flat.tolist(), self.balance_gate_threshold, self._balance_hold
+        columns = [flat[field :: len(ROW)] for field in range(len(ROW))]  # each ROW field: every rank's value
+        self._balance_closed = hold.update(columns, cap) if hold else max(columns[0]) >= cap
 
     def balance_gate_closed(self) -> bool:
         """True when this step must admit no new request (``balance_update`` decided it)."""

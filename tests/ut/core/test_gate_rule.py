@@ -30,13 +30,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from offline_vllm import build_scheduler, emulate_gather, make_request, make_vllm_config, step
+from offline_vllm import build_scheduler, emulate_gather, gathered, make_request, make_vllm_config, step
+from vllm.v1.request import RequestStatus
 
-from vllm_ascend.core.balance_rule import RULE_ENV, AdaptiveHold, gate_rule
+from vllm_ascend.core.balance_rule import RULE_ENV, AdaptiveHold, gate_rule, rank_row
 from vllm_ascend.core.balance_scheduler import BalanceScheduler
 
 CAP, DP = 4, 2
 DECODE_MS, PER_TOKEN_MS = 20.0, 0.05
+
+
+def decide(hold: AdaptiveHold, rows: list[list[int]], cap: int = CAP) -> bool:
+    """The rule's decision on ranks given as (count, waiting requests, prefill tokens, step us)."""
+    return hold.update(gathered(rows, cap), cap)
 
 
 def group_steps(
@@ -55,7 +61,7 @@ def group_steps(
         prefill = [rng.choice((0,) * (2 * len(prompts) - 1) + prompts) for _ in range(DP)]
         ms = DECODE_MS + (penalty_ms if any(prefill) else 0) + PER_TOKEN_MS * sum(prefill)
         rows = [[CAP - 1, 0, tokens, int(ms * 1000 * rng.uniform(1 - noise, 1 + noise))] for tokens in prefill]
-        assert hold.update(rows, CAP) is False  # no rank at its cap: never closed
+        assert decide(hold, rows) is False  # no rank at its cap: never closed
 
 
 def test_gate_rule_default_env_and_config(tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,8 +93,8 @@ def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog:
     assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / cost_s)] and hold.aligned == 0.75
     assert _hold_lengths(hold, full, None, 1) == [int(0.75 * hold.saving_s / cost_s)]
     # Nothing to admit (no request waiting on a free slot): holding costs nothing, the gate stays closed.
-    assert all(hold.update([[CAP, 3, 0, 0], [CAP - 1, 0, 0, 0]], CAP) for _ in range(300))
-    assert hold.update([[CAP - 1, 0, 0, 0], [CAP - 1, 2, 0, 0]], CAP) is False  # no rank at its cap
+    assert all(decide(hold, [[CAP, 3, 0, 0], [CAP - 1, 0, 0, 0]]) for _ in range(300))
+    assert decide(hold, [[CAP - 1, 0, 0, 0], [CAP - 1, 2, 0, 0]]) is False  # no rank at its cap
 
 
 def test_a_fixed_extra_below_one_decode_step_is_not_held_for(caplog: pytest.LogCaptureFixture) -> None:
@@ -99,7 +105,7 @@ def test_a_fixed_extra_below_one_decode_step_is_not_held_for(caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="vllm"):
         group_steps(hold, 600, penalty_ms=15.0)
     assert hold.penalty_s * 1e3 == pytest.approx(15.0, rel=0.15) and hold.saving_s == 0.0 and not hold.holding
-    assert not any(hold.update([[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]], CAP) for _ in range(50))
+    assert not any(decide(hold, [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]) for _ in range(50))
     (decision,) = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()]
     assert "admits without waiting" in decision and "so a hold saves at most 0.0 ms" in decision
 
@@ -138,7 +144,7 @@ def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog
     with caplog.at_level(logging.INFO, logger="vllm"):
         group_steps(hold, 600, penalty_ms=0.0)
         assert hold.penalty_s * 1e3 < 1.0 and not hold.holding
-        assert not any(hold.update([[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]], CAP) for _ in range(50))
+        assert not any(decide(hold, [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]) for _ in range(50))
         group_steps(hold, 3000, penalty_ms=150.0, seed=1)  # the engine changed: old steps fade out
         assert hold.holding
         group_steps(hold, 6000, penalty_ms=0.0, seed=2)
@@ -158,10 +164,10 @@ def _hold_lengths(
     lengths = []
     for _ in range(holds):
         held = 0
-        while hold.update(full, cap):
+        while decide(hold, full, cap):
             held += 1
             if opened and held == 3:
-                assert hold.update(opened, cap) is False  # rank 0 left its cap: the gate opens
+                assert decide(hold, opened, cap) is False  # rank 0 left its cap: the gate opens
                 break
         lengths.append(held)
     return lengths
@@ -198,12 +204,26 @@ def test_holds_that_align_keep_their_budget() -> None:
     assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / (hold.decode_s / (2 * CAP - 1)))]
 
 
+def test_a_refit_folds_its_steps_as_if_each_had_faded_the_sums_in_turn() -> None:
+    """The steps' inputs wait for the refit; folded at once they weigh what folding each step would have given."""
+    hold, rng = AdaptiveHold(), random.Random(5)
+    steps = [[[CAP - 1, 0, rng.choice((0, 0, 512)), rng.randint(15_000, 40_000)] for _ in range(DP)] for _ in range(96)]
+    expected = [[0.0] * 6 for _ in range(6)]
+    for rows in steps:
+        decide(hold, rows)
+        prefill, longest = [r[2] for r in rows], max(r[3] for r in rows)
+        z = (1.0, float(any(prefill)), max(prefill), sum(prefill), DP * (CAP - 1.0), longest / 1e6)
+        expected = [[v * (1 - 1 / 1024) + x * y for v, y in zip(row, z)] for row, x in zip(expected, z)]
+    assert hold.steps == 96 and hold.fresh == []
+    assert hold.moments.flatten().tolist() == pytest.approx([v for row in expected for v in row], rel=1e-12)
+
+
 def test_every_rank_decides_the_same_from_the_same_rows() -> None:
     ranks = [AdaptiveHold() for _ in range(DP)]
     for hold in ranks:
         group_steps(hold, 400, penalty_ms=80.0)
     rows = [[CAP, 2, 0, 0], [CAP - 2, 3, 0, 0]]
-    assert len({tuple(hold.update(rows, CAP) for _ in range(40)) for hold in ranks}) == 1
+    assert len({tuple(decide(hold, rows) for _ in range(40)) for hold in ranks}) == 1
     assert len({(hold.penalty_s, hold.saving_s, hold.decode_s, hold.held_s) for hold in ranks}) == 1
 
 
@@ -217,9 +237,13 @@ def test_the_scheduler_reports_each_finished_step_once(tiny_moe_model: Path, mon
     for index in range(CAP + 1):
         scheduler.add_request(make_request(f"r{index}", num_prompt_tokens=8))
     step(scheduler)
-    assert scheduler.balance_row() == [CAP, 1, CAP * 8 - CAP, 250_000]  # 4 prompts of 8 tokens, one sampled each
-    assert scheduler.balance_row() == [CAP, 1, 0, 0]  # reported once
+    # At its cap, the rank would admit none of its one waiting request.
+    assert scheduler.balance_row() == [CAP, 0, CAP * 8 - CAP, 250_000]  # 4 prompts of 8 tokens, one sampled each
+    assert scheduler.balance_row() == [CAP, 0, 0, 0]  # reported once
     step(scheduler)
-    assert scheduler.balance_row() == [CAP, 1, 0, 500_000]  # decode only
+    assert scheduler.balance_row() == [CAP, 0, 0, 500_000]  # decode only
+    scheduler.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.balance_row() == [CAP - 2, 1, 0, 0]  # two free slots, one request waiting
+    assert rank_row(CAP - 3, 5, CAP, (0, 0)) == [CAP - 3, 3, 0, 0]  # as many as its free slots take
     emulate_gather([scheduler], [CAP, 0])
     assert scheduler.balance_gate_closed() is False  # nothing learnt yet: the adaptive rule does not hold

@@ -87,8 +87,8 @@ def test_each_arm_decides_the_gate_its_own_way(
     (tmp_path / "arm.json").write_text(json.dumps(step_trace.same_server_arm(arm)))
     assert step_trace._read_arm()["arm"] == arm
     assert engine.prefill_schedule_interval == (2 if "interval2" in arm else 1)
-    # Rank 0 at its cap, rank 1 with a free slot and a request waiting; each reports a finished 20 ms step.
-    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 1, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
+    # Rank 0 at its cap, rank 1 with a free slot that would admit a waiting request; each reports a finished 20 ms step.
+    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 0, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
     scheduler._balance_closed = not closed
     step_trace._armed_update(BalanceSchedulingMixin.balance_update)(scheduler)
     assert scheduler.balance_gate_closed() is closed
