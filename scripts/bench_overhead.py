@@ -143,9 +143,11 @@ class Subject:
         self.samples_ns: list[int] = []
         self.with_stats_ns: list[int] = []  # schedule() + make_stats()
         self.whole_ns: list[int] = []  # schedule() + update_from_output() + the gate's per-gather update
+        self.row_ns: list[int] = []  # ours: balance_row() (this rank's values for the gather)
+        self.rule_ns: list[int] = []  # ours: balance_update() (the decision on every rank's gathered values)
         self.queue_value = queue_value  # from now on every step ends with the gather's rows (balance on)
 
-    def _step(self) -> tuple[int, int, int]:
+    def _step(self) -> tuple[int, int, int, int, int]:
         # CPU time of this thread: other processes on a shared machine do not inflate it.
         started = time.thread_time_ns()
         output = self.scheduler.schedule()
@@ -157,6 +159,7 @@ class Subject:
         # vLLM's update_from_output makes the step's stats itself (log_stats): the whole step counts them there, once.
         self.scheduler.update_from_output(output, model_output)
         whole = elapsed + time.thread_time_ns() - started_update
+        row_ns = rule_ns = 0
         if self.queue_value is not None and hasattr(self.scheduler, "balance_update"):  # ours (not vllm-ascend's copy)
             # What the gather leaves (every rank's row; a prefill somewhere every 4th step, which then costs 100 ms
             # more: a fixed extra the adaptive rule learns), written untimed: all_gather's job, not the gate's.
@@ -164,38 +167,41 @@ class Subject:
             dp_size = len(self.scheduler.balance_queue)
             prefill = 512 if self.gathers % 4 == 0 else 0
             rows = [[0, 0, prefill, 30_000 + 100_000 * (prefill > 0)]] * (dp_size - 1)
-            rows.append([self.queue_value, 2, 0, 30_000 + 100_000 * (prefill > 0)])
+            rows.append([self.queue_value, 0, 0, 30_000 + 100_000 * (prefill > 0)])  # at its cap: admits none
             started_gather = time.thread_time_ns()
             self.scheduler.balance_row()
-            gather_ns = time.thread_time_ns() - started_gather
+            row_ns = time.thread_time_ns() - started_gather
             self.scheduler._balance_rows.copy_(torch.tensor(rows, dtype=torch.int32))
             started_gather = time.thread_time_ns()
             self.scheduler.balance_update()
-            whole += gather_ns + time.thread_time_ns() - started_gather
-        return elapsed, with_stats, whole
+            rule_ns = time.thread_time_ns() - started_gather
+            whole += row_ns + rule_ns
+        return elapsed, with_stats, whole, row_ns, rule_ns
 
     def measure(self, steps: int) -> None:
         for _ in range(steps):
-            elapsed, with_stats, whole = self._step()
-            self.samples_ns.append(elapsed)
-            self.with_stats_ns.append(with_stats)
-            self.whole_ns.append(whole)
+            samples = self._step()
+            for name, value in zip(("samples_ns", "with_stats_ns", "whole_ns", "row_ns", "rule_ns"), samples):
+                getattr(self, name).append(value)
 
 
-def median_us(instances: list[Subject], samples: str) -> float:
-    """The median of a variant's ``samples`` (a Subject's list of them), its instances' samples pooled."""
-    return statistics.median(ns for subject in instances for ns in getattr(subject, samples)) / 1000.0
+def pooled_us(instances: list[Subject], samples: str, of: Callable[[list[int]], float] = statistics.median) -> float:
+    """``of`` (the median unless given) a variant's ``samples`` (a Subject's list of them), its instances' pooled."""
+    return of([ns for subject in instances for ns in getattr(subject, samples)]) / 1000.0
 
 
 def gate_read_costs(dp_size: int, cap: int, repeats: int = 2000) -> dict[str, float]:
-    """µs per read of the gathered counts: today's per-tensor loop vs one contiguous buffer."""
+    """µs per read of the gathered counts: the first version's per-tensor loop, one contiguous buffer read by torch,
+    and that buffer's memoryview (what the gate reads since stop 36)."""
     buffer = torch.zeros(dp_size, dtype=torch.int32)
+    flat = memoryview(buffer.numpy())
     queue = list(buffer.split(1))  # views: what all_gather would fill, slot by slot
     queue[-1].fill_(cap)
     readers: dict[str, Callable[[], Any]] = {
         "loop .item()": lambda: max(int(count.item()) for count in queue),
         "buffer.max()": lambda: int(buffer.max()),
         "buffer.tolist()": lambda: max(buffer.tolist()),
+        "memoryview.tolist()": lambda: max(flat.tolist()),
     }
     costs = {}
     for name, read in readers.items():
@@ -274,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     header = ["DP", "stock µs"] + [f"{name} ×" for name in names[1:]]
     rows = [header]
     stats_rows, whole_rows = [header], [header]
+    # The gate's own work, in µs, for ours' variants: each part's median and mean (the mean carries the adaptive
+    # rule's refit, every 32 steps, which the medians above leave out).
+    gate_rows = [["DP", "variant", "balance_row() median", "mean", "balance_update() median", "mean"]]
     reads = []
     verdict = stats_verdict = whole_verdict = None
     for dp_size in args.dp_sizes:
@@ -300,9 +309,16 @@ def main(argv: list[str] | None = None) -> int:
             gc.enable()
         ratios: dict[str, list[float]] = {}
         for table, samples in ((rows, "samples_ns"), (stats_rows, "with_stats_ns"), (whole_rows, "whole_ns")):
-            base = median_us(by_variant[0], samples)
-            ratios[samples] = [median_us(instances, samples) / base for instances in by_variant[1:]]
+            base = pooled_us(by_variant[0], samples)
+            ratios[samples] = [pooled_us(instances, samples) / base for instances in by_variant[1:]]
             table.append([str(dp_size), f"{base:.0f}"] + [f"{ratio:.3f}" for ratio in ratios[samples]])
+        for name, instances in zip(names[2:5], by_variant[2:5]):
+            parts = [
+                pooled_us(instances, part, of)
+                for part in ("row_ns", "rule_ns")
+                for of in (statistics.median, statistics.mean)
+            ]
+            gate_rows.append([str(dp_size), name] + [f"{us:.1f}" for us in parts])
         if dp_size == TARGET_DP:
             verdict = target_verdict("ours with balance on", ratios["samples_ns"])
             stats_verdict = target_verdict("ours with balance on and its metrics", ratios["with_stats_ns"])
@@ -321,11 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table(whole_rows)
     if whole_verdict:
         print(whole_verdict)
+    print(
+        "\nthe gate's own work inside the whole step, µs (median and mean over the steps: the mean carries the refits):"
+    )
+    print_table(gate_rows)
     print("\ngate read of balance_queue alone (µs per read):")
     read_names = list(reads[0][1])
-    print("DP".rjust(5) + "".join(name.rjust(18) for name in read_names))
+    print("DP".rjust(5) + "".join(name.rjust(21) for name in read_names))
     for dp_size, costs in reads:
-        print(f"{dp_size:5d}" + "".join(f"{costs[name]:18.2f}" for name in read_names))
+        print(f"{dp_size:5d}" + "".join(f"{costs[name]:21.2f}" for name in read_names))
     return 0
 
 

@@ -28,6 +28,10 @@ def test_tiny_benchmark_prints_ratios(capsys: pytest.CaptureFixture[str]) -> Non
     header, rule, row = out.splitlines()[2:5]
     assert header.split()[:3] == ["DP", "stock", "µs"] and set(rule) == {"-"}
     assert row.split()[0] == "4" and all(float(cell) > 0 for cell in row.split()[1:])
+    # The gate's own parts, for ours' three variants: each timed, so each above 0.
+    gate = out.split("the gate's own work inside the whole step")[1].split("\n\n")[0].splitlines()[3:]
+    assert [line.split()[1:3] for line in gate] == [["ours", "on,"], ["ours", "on,"], ["ours", "adaptive,"]]
+    assert all(float(cell) > 0 for line in gate for cell in line.split()[-4:])
 
 
 def test_bad_dp_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
