@@ -126,6 +126,26 @@ def test_a_fixed_extra_the_fit_is_not_sure_of_is_not_held_for(caplog: pytest.Log
     assert "admits without waiting" in decision and "so a hold saves at most 0.0 ms" in decision
 
 
+def test_rounding_does_not_decide_a_fit_of_collinear_steps() -> None:
+    """The paper preset's first fit: every rank prefills a chunk of about 4096 tokens in the same steps, so the largest
+    and the summed tokens are collinear with 'any prefill', and the step times carry no noise. Two fits of the same
+    steps whose sums differ by rounding (1e-15) must agree; solved unscaled, the residual was rounding noise, went
+    negative in one of them, and that one held for 1.07 s where its twin held for nothing."""
+    fits = []
+    for twist in (0.0, 1e-15, -1e-15):
+        hold = AdaptiveHold()
+        for index in range(64):
+            chunk = 4096 - 4 * (index % 29) if index % 5 < 2 else 0
+            ms = 90.0 + (700.0 + 0.1 * DP * chunk if chunk else 0.0)
+            if index == 63:  # the last step before the fit: its sums, as another summation order would leave them
+                hold.moments *= 1 + twist
+            decide(hold, [[CAP - 1, 0, chunk, int(ms * 1000)]] * DP)
+        fits.append((hold.penalty_s, hold.saving_s, hold.holding))
+    # The residual of an exact fit is still rounding, but small: the error it adds moves the saving by under 2 %.
+    assert [(round(penalty, 6), holding) for penalty, _, holding in fits] == [(0.699961, True)] * 3
+    assert all(saving == pytest.approx(0.61, abs=0.01) for _, saving, _ in fits), fits
+
+
 def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() -> None:
     """At a large cap one waiting request idles a tiny share of the group's slots, but the held request can finish
     after all its peers and run alone: the hold is priced at an eighth of a decode step per step at least, so it lasts
