@@ -257,12 +257,12 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
     return runner_output(req_ids, [[] if scheduler.requests[r].is_prefill_chunk else [token_id] for r in req_ids])
 
 
-def gathered(rows: Sequence[Sequence[int]], cap: int) -> list[list[int]]:
+def gathered(rows: Sequence[Sequence[int]], cap: int) -> list[int]:
     """What the gather leaves for ranks given as (count, waiting requests, prefill tokens, step us), as the adaptive
-    rule reads it: their ``rank_row``s, by column."""
+    rule reads it: their ``rank_row``s, rank after rank, flat."""
     from vllm_ascend.core.balance_rule import rank_row
 
-    return [list(column) for column in zip(*(rank_row(n, waiting, cap, (p, us)) for n, waiting, p, us in rows))]
+    return [value for n, waiting, p, us in rows for value in rank_row(n, waiting, cap, (p, us))]
 
 
 def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:

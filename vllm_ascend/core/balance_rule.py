@@ -52,7 +52,7 @@ until the next refit folds them in: at DP 64 that cut the rule's per-step cost i
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from vllm.config import VllmConfig
@@ -62,6 +62,8 @@ RULE_ENV, RULE_KEY, RULES = "VLLM_ASCEND_BALANCE_GATE_RULE", "balance_gate_rule"
 # What each rank contributes per step (``rank_row``): its balance_count, the waiting requests it would admit now, and
 # the step it just finished: prefill tokens and duration in microseconds (0: none finished since the last gather).
 ROW = ("count", "admissible", "prefill_tokens", "step_us")
+# Each field's slice of the gathered rows, read flat (rank by rank): every rank's value of that field.
+COLUMNS = tuple(slice(field, None, len(ROW)) for field in range(len(ROW)))
 _FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER, _SURE = 1 - 1 / 1024, 32, 64, 1 / 8, 2.0
 
 
@@ -91,23 +93,25 @@ class AdaptiveHold:
         self.steps, self.decode_s, self.penalty_s, self.saving_s, self.held_s, self.aligned = 0, 0.0, 0.0, 0.0, 0.0, 1.0
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
-    def update(self, columns: list[list[int]], cap: int) -> bool:
+    def update(self, rows: Sequence[int], cap: int) -> bool:
         """Learn from the step the gathered ``rank_row``s report, then decide whether the gate is closed for the next
-        step. ``columns``: one list per ``ROW`` field, of every rank's value (max and sum are all the rule reads)."""
-        (most, peak, largest, longest), (running, admits, prefill, _) = map(max, columns), map(sum, columns)
-        if longest:
-            self.fresh.append((1.0, float(largest > 0), float(largest), float(prefill), float(running), longest / 1e6))
+        step. ``rows``: every rank's row, rank after rank (the gathered buffer, flat); only each field's maximum and
+        sum over the ranks are read, each where it decides (at DP 64 one costs about a microsecond)."""
+        counts, admissible, prefills, steps = map(rows.__getitem__, COLUMNS)
+        if longest := max(steps):
+            largest = max(prefills)
+            self.fresh.append((1.0, float(largest > 0), largest, sum(prefills), sum(counts), longest / 1e6))
             # Old hold outcomes fade as the fit's old steps do: the share drifts back to 1, so holds are tried again.
             self.steps, self.aligned = self.steps + 1, 1 - (1 - self.aligned) * _FADE
             if self.steps % _REFIT_EVERY == 0:
-                self._refit(len(columns[0]) * cap)
-        if most < cap or not self.holding:
-            # A hold ends as its rank leaves the cap: it aligned if two or more ranks admit now (the
-            # admissible requests' sum exceeds their largest).
-            self.aligned, self.held_s = (3 * self.aligned + (admits > peak)) / 4 if self.held_s else self.aligned, 0.0
+                self._refit(len(counts) * cap)
+        if max(counts) < cap or not self.holding:
+            # A hold ends as its rank leaves the cap: it aligned if two or more ranks admit now.
+            self.aligned = (3 * self.aligned + (sum(admissible) > max(admissible))) / 4 if self.held_s else self.aligned
+            self.held_s = 0.0
             return False
         # One more held step costs the requests it keeps from free slots, and at least _STRAGGLER of it (a straggler).
-        cost_s = self.decode_s * max(admits / max(running, 1), _STRAGGLER * bool(admits))
+        cost_s = self.decode_s * max((admits := sum(admissible)) / max(sum(counts), 1), _STRAGGLER * bool(admits))
         # Past the budget the hold expires unaligned: admit now; a new hold starts at the next full rank.
         expired = self.held_s + cost_s > self.saving_s * self.aligned
         self.held_s, self.aligned = (0.0, self.aligned * 3 / 4) if expired else (self.held_s + cost_s, self.aligned)

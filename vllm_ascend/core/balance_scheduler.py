@@ -52,7 +52,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_ascend.core.balance_rule import ROW, AdaptiveHold, gate_rule, rank_row
+from vllm_ascend.core.balance_rule import COLUMNS, ROW, AdaptiveHold, gate_rule, rank_row
 from vllm_ascend.core.balance_seam import CAP_COUNTS, refuse_if, schedule_seam
 
 # The gate's counts ride to the front-end (balance_metrics) under this key prefix in SchedulerStats'
@@ -70,9 +70,10 @@ class BalanceSchedulingMixin:
 
     # Step durations (the adaptive rule's input); the simulator sets its simulated clock.
     balance_clock: Callable[[], float] = staticmethod(time.monotonic)
-    # The last finished step's prefill tokens and microseconds, and when this rank last scheduled or updated: class
-    # defaults, as vLLM's own tests call update_from_output on schedulers whose __init__ they bypass.
-    _balance_step, _balance_marks = (0, 0), (0.0, 0.0)
+    # The last finished step's prefill tokens and microseconds, when this rank last scheduled or updated, the gate's
+    # three counts as of the last make_stats, and the gate: class defaults (immutable, only ever rebound), as vLLM's own
+    # tests call update_from_output on schedulers whose __init__ they bypass.
+    _balance_step, _balance_marks, _balance_sent, _balance_closed = (0, 0), (0.0, 0.0), (0, 0, 0), False
     # Provided by vLLM's Scheduler.
     vllm_config: VllmConfig
     _pause_state: PauseState
@@ -99,9 +100,8 @@ class BalanceSchedulingMixin:
         # The rows as one flat view, read each step without torch (its dispatcher is cold after a step; see below).
         self._balance_flat = memoryview(self._balance_rows.numpy().reshape(-1))
         self._balance_hold = AdaptiveHold() if gate_rule(self.vllm_config) == "adaptive" else None
-        self.balance_steps, self.balance_gated_steps, self._balance_closed = 0, 0, False
-        # Gated steps with a request waiting (vLLM's own count); the three counts as of the last make_stats.
-        self.balance_waiting_gated_steps, self._balance_sent = 0, (0, 0, 0)
+        # balance_waiting_gated_steps: gated steps with a request waiting (vLLM's own count).
+        self.balance_steps = self.balance_gated_steps = self.balance_waiting_gated_steps = 0
         if len(self.balance_queue) == 1:
             # Also each engine of a dense model: vLLM runs its DP ranks as independent engines.
             logger.warning_once(
@@ -141,29 +141,27 @@ class BalanceSchedulingMixin:
         is at the threshold (``cap``), and, with the ``adaptive`` rule, until its hold has idled what aligning saves.
         Decided here, once per gather, so that the step reads a bool (a torch op in the step costs more than it
         seems: the step's own work evicts torch's dispatcher from the caches)."""
-        flat, cap, hold = self._balance_flat.tolist(), self.balance_gate_threshold, self._balance_hold
-        columns = [flat[field :: len(ROW)] for field in range(len(ROW))]  # each ROW field: every rank's value
-        self._balance_closed = hold.update(columns, cap) if hold else max(columns[0]) >= cap
+        flat, cap, hold = self._balance_flat, self.balance_gate_threshold, self._balance_hold
+        self._balance_closed = hold.update(flat, cap) if hold else max(flat[COLUMNS[0]]) >= cap  # cap: counts only
 
     def balance_gate_closed(self) -> bool:
         """True when this step must admit no new request (``balance_update`` decided it)."""
         return self._balance_closed
 
     def update_from_output(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
-        now, (scheduled_at, updated_at) = self.balance_clock(), self._balance_marks
-        # Decode requests schedule one token each plus their drafts; the rest is prefill.
-        drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-        prefill = scheduler_output.total_num_scheduled_tokens - len(scheduler_output.num_scheduled_tokens) - drafts
         # With a batch queue the step began when the one before it finished, not when it was scheduled.
-        self._balance_step = (prefill, max(int((now - max(scheduled_at, updated_at)) * 1e6), 1))
-        self._balance_marks = (scheduled_at, now)
+        now, began = self.balance_clock(), max(self._balance_marks)
+        # Decode requests schedule one token each plus their drafts; the rest is prefill.
+        drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
+        prefill = scheduler_output.total_num_scheduled_tokens - len(scheduler_output.num_scheduled_tokens) - drafts
+        self._balance_step = (prefill, max(int((now - began) * 1e6), 1))
+        self._balance_marks = (self._balance_marks[0], now)
         return super().update_from_output(scheduler_output, *args, **kwargs)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self.balance_steps += 1
-        self._balance_marks = (self.balance_clock(), self._balance_marks[1])
+        self.balance_steps, self._balance_marks = self.balance_steps + 1, (self.balance_clock(), self._balance_marks[1])
         # A real pause already does at least what the gate would: never override it.
-        if self._pause_state != PauseState.UNPAUSED or not self.balance_gate_closed():
+        if self._pause_state != PauseState.UNPAUSED or not self._balance_closed:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         self.balance_gated_steps += 1
         self.balance_waiting_gated_steps += self.get_request_counts()[1] > 0
