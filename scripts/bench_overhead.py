@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--running", type=int, default=128, help="running requests (= the cap)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per instance")
     parser.add_argument(
-        "--instances", type=int, default=3, help="schedulers built per variant (one alone is up to 4%% off another)"
+        "--instances", type=int, default=8, help="schedulers built per variant (one alone is up to 4%% off another)"
     )
     args = parser.parse_args(argv)
     if min(args.running, args.steps, args.instances) < 1:

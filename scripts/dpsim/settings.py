@@ -172,10 +172,10 @@ REAL_CPU = SimSettings(
     profile=PROFILES_DIR / "real-cpu-qwen3moe.json",
 )
 REAL_CPU_REGIMES = {
-    "closed-4-fixed": replace(REAL_CPU, max_num_seqs=4, num_requests=32, concurrency=8),
+    "closed-4-fixed": replace(REAL_CPU, max_num_seqs=4, num_requests=96, concurrency=8),
     "closed-32-fixed": replace(REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=64),
     "closed-32-spread": replace(
-        REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=64, prompt_spread=0.5, output_spread=0.5
+        REAL_CPU, max_num_seqs=32, num_requests=256, concurrency=64, prompt_spread=0.5, output_spread=0.5
     ),
     "open-32-poisson": replace(REAL_CPU, max_num_seqs=32, num_requests=128, concurrency=None, request_rate=2.8),
 }
