@@ -50,7 +50,7 @@ from offline_vllm import (  # noqa: E402
 )
 from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
 
-from vllm_ascend.core.balance_rule import RULE_ENV  # noqa: E402
+from vllm_ascend.core.balance_rule import COLUMNS, ROW, RULE_ENV  # noqa: E402
 from vllm_ascend.core.balance_scheduler import BalanceScheduler  # noqa: E402
 
 # vllm-ascend's copy decides from this variable at construction (ours: the class decides).
@@ -192,16 +192,21 @@ def pooled_us(instances: list[Subject], samples: str, of: Callable[[list[int]], 
 
 def gate_read_costs(dp_size: int, cap: int, repeats: int = 2000) -> dict[str, float]:
     """µs per read of the gathered counts: the first version's per-tensor loop, one contiguous buffer read by torch,
-    and that buffer's memoryview (what the gate reads since stop 36)."""
+    that buffer's memoryview (stop 36), and what the cap rule reads since stop 37: the counts' column of the gathered
+    rows, a strided slice of their flat memoryview."""
     buffer = torch.zeros(dp_size, dtype=torch.int32)
     flat = memoryview(buffer.numpy())
     queue = list(buffer.split(1))  # views: what all_gather would fill, slot by slot
     queue[-1].fill_(cap)
+    rows = torch.zeros(dp_size, len(ROW), dtype=torch.int32)
+    rows[-1, 0] = cap
+    rows_flat = memoryview(rows.numpy().reshape(-1))
     readers: dict[str, Callable[[], Any]] = {
         "loop .item()": lambda: max(int(count.item()) for count in queue),
         "buffer.max()": lambda: int(buffer.max()),
         "buffer.tolist()": lambda: max(buffer.tolist()),
         "memoryview.tolist()": lambda: max(flat.tolist()),
+        "rows' count column": lambda: max(rows_flat[COLUMNS[0]]),
     }
     costs = {}
     for name, read in readers.items():

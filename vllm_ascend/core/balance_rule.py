@@ -29,7 +29,7 @@ hold's own idle slots cost less than that extra: what a hold also costs (the hel
 wave, the closed loop's arrivals re-forming around them) is not priced, so a saving under one step is not taken. Less
 the error: with few steps with a prefill, or prompts of one or two lengths, the fit cannot tell the fixed extra from
 the per-token cost (on the real engine it once put 82.6 ms there, later 0-12 ms). In graph mode (the simulator's paper
-preset: 710 ms beside a 93 ms step) it still holds (+29 % predicted, against +32 % holding for the whole extra); on
+preset: 710 ms beside a 93 ms step) it still holds (+23 % predicted, against +32 % holding for the whole extra); on
 the eager engine's traces it never does.
 
 A held step costs the free slots it keeps from waiting requests (their share of the step), but never less than an
