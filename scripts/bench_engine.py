@@ -396,7 +396,7 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
     holds: dict[int, AdaptiveHold] = {}
     lines = []
     for run in runs:
-        hold, holding = holds.setdefault(run["max_num_seqs"], AdaptiveHold()), 0
+        hold, holding = holds.setdefault(run["max_num_seqs"], AdaptiveHold(DP_SIZE)), 0
         by_it = by_iteration(run["engine"]["records"])
         steps = [ranks for _, ranks in sorted(by_it.items()) if all("dt" in r for r in ranks.values())]
         for ranks in steps:

@@ -131,7 +131,8 @@ class Subject:
             os.environ.pop(RULE_ENV, None)
             if previous is not None:
                 os.environ[BALANCE_SCHEDULING_ENV] = previous
-        self.queue_value, self.gathers = None, 0  # warm-up steps: no gather
+        # Warm-up steps: no gather. The gathered rows come from a seeded generator, the same for every variant.
+        self.queue_value, self.rows_rng, self.closed_steps = None, random.Random(0), 0
         for index in range(running + 4):
             self.scheduler.add_request(make_request(f"{name}-{index}", 8, max_tokens))
         for _ in range(3):  # everyone admitted and past prefill
@@ -161,13 +162,14 @@ class Subject:
         whole = elapsed + time.thread_time_ns() - started_update
         row_ns = rule_ns = 0
         if self.queue_value is not None and hasattr(self.scheduler, "balance_update"):  # ours (not vllm-ascend's copy)
-            # What the gather leaves (every rank's row; a prefill somewhere every 4th step, which then costs 100 ms
-            # more: a fixed extra the adaptive rule learns), written untimed: all_gather's job, not the gate's.
-            self.gathers += 1
-            dp_size = len(self.scheduler.balance_queue)
-            prefill = 512 if self.gathers % 4 == 0 else 0
-            rows = [[0, 0, prefill, 30_000 + 100_000 * (prefill > 0)]] * (dp_size - 1)
-            rows.append([self.queue_value, 0, 0, 30_000 + 100_000 * (prefill > 0)])  # at its cap: admits none
+            # What the gather leaves, written untimed (all_gather's job, not the gate's): every rank's row. In one
+            # step of four 1-8 ranks prefill a prompt of 128-1024 tokens, and the step costs 100 ms more plus 10 us a
+            # token (a fixed extra the adaptive rule can tell from the per-token cost, so it holds: the costlier path).
+            rng, dp_size = self.rows_rng, len(self.scheduler.balance_queue)
+            prefills = [rng.choice((128, 512, 1024)) for _ in range(rng.randint(1, 8) * (rng.random() < 0.25))]
+            step_us = 30_000 + (100_000 + 10 * sum(prefills)) * bool(prefills) + rng.randrange(2_000)
+            rows = [[0, 0, prefill, step_us] for prefill in prefills + [0] * (dp_size - 1 - len(prefills))]
+            rows = rows[: dp_size - 1] + [[self.queue_value, 0, 0, step_us]]  # the last at its cap: admits none
             started_gather = time.thread_time_ns()
             self.scheduler.balance_row()
             row_ns = time.thread_time_ns() - started_gather
@@ -176,6 +178,7 @@ class Subject:
             self.scheduler.balance_update()
             rule_ns = time.thread_time_ns() - started_gather
             whole += row_ns + rule_ns
+            self.closed_steps += self.scheduler.balance_gate_closed()
         return elapsed, with_stats, whole, row_ns, rule_ns
 
     def measure(self, steps: int) -> None:
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     stats_rows, whole_rows = [header], [header]
     # The gate's own work, in µs, for ours' variants: each part's median and mean (the mean carries the adaptive
     # rule's refit, every 32 steps, which the medians above leave out).
-    gate_rows = [["DP", "variant", "balance_row() median", "mean", "balance_update() median", "mean"]]
+    gate_rows = [["DP", "variant", "gate closed %", "balance_row() median", "mean", "balance_update() median", "mean"]]
     reads = []
     verdict = stats_verdict = whole_verdict = None
     for dp_size in args.dp_sizes:
@@ -323,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 for part in ("row_ns", "rule_ns")
                 for of in (statistics.median, statistics.mean)
             ]
-            gate_rows.append([str(dp_size), name] + [f"{us:.1f}" for us in parts])
+            closed = sum(s.closed_steps for s in instances) / sum(len(s.whole_ns) for s in instances)
+            gate_rows.append([str(dp_size), name, f"{100 * closed:.0f}"] + [f"{us:.1f}" for us in parts])
         if dp_size == TARGET_DP:
             verdict = target_verdict("ours with balance on", ratios["samples_ns"])
             stats_verdict = target_verdict("ours with balance on and its metrics", ratios["with_stats_ns"])

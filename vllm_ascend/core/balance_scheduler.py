@@ -94,12 +94,12 @@ class BalanceSchedulingMixin:
         # One row per DP rank (balance_rule.ROW), gathered in one collective; balance_queue is, as upstream, one
         # int32 CPU tensor per rank holding its count: views of the rows' first column. Write in place (all_gather
         # does), never rebind the list's items.
-        self._balance_rows = torch.zeros(self.parallel_config.data_parallel_size, len(ROW), dtype=torch.int32)
-        self.balance_queue: list[torch.Tensor] = [row[:1] for row in self._balance_rows]
-        self._balance_gather_into = list(self._balance_rows.split(1))  # all_gather's output list, made once
+        self._balance_rows = rows = torch.zeros(self.parallel_config.data_parallel_size, len(ROW), dtype=torch.int32)
+        self.balance_queue: list[torch.Tensor] = [row[:1] for row in rows]
+        self._balance_gather_into = list(rows.split(1))  # all_gather's output list, made once
         # The rows as one flat view, read each step without torch (its dispatcher is cold after a step; see below).
-        self._balance_flat = memoryview(self._balance_rows.numpy().reshape(-1))
-        self._balance_hold = AdaptiveHold() if gate_rule(self.vllm_config) == "adaptive" else None
+        self._balance_flat = memoryview(rows.numpy().reshape(-1))
+        self._balance_hold = AdaptiveHold(len(rows)) if gate_rule(self.vllm_config) == "adaptive" else None
         # balance_waiting_gated_steps: gated steps with a request waiting (vLLM's own count).
         self.balance_steps = self.balance_gated_steps = self.balance_waiting_gated_steps = 0
         if len(self.balance_queue) == 1:

@@ -77,7 +77,7 @@ def test_gate_rule_default_env_and_config(tiny_moe_model: Path, monkeypatch: pyt
 
 
 def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog: pytest.LogCaptureFixture) -> None:
-    hold = AdaptiveHold()
+    hold = AdaptiveHold(DP)
     with caplog.at_level(logging.INFO, logger="vllm"):
         group_steps(hold, 600, penalty_ms=150.0)
     assert hold.penalty_s * 1e3 == pytest.approx(150.0, rel=0.1)
@@ -101,7 +101,7 @@ def test_a_fixed_extra_below_one_decode_step_is_not_held_for(caplog: pytest.LogC
     """An eager engine: a step with a prefill costs a little more than its tokens (15 ms beside a 20 ms decode step).
     The rule holds only for the part of the extra beyond one decode step (on the real engine, holds for less lost):
     here none, though one idle slot-step (20 / 7 ms) costs less than the extra."""
-    hold = AdaptiveHold()
+    hold = AdaptiveHold(DP)
     with caplog.at_level(logging.INFO, logger="vllm"):
         group_steps(hold, 600, penalty_ms=15.0)
     assert hold.penalty_s * 1e3 == pytest.approx(15.0, rel=0.15) and hold.saving_s == 0.0 and not hold.holding
@@ -115,7 +115,7 @@ def test_a_fixed_extra_the_fit_is_not_sure_of_is_not_held_for(caplog: pytest.Log
     lengths to none, and a young fit (64 steps, its first) has few steps to do it with. Measured to 2 % the extra of
     60 ms is held for (less one decode step); with steps +- 90 % the fit still puts 50 ms there, above the decode
     step, but its error (two standard errors) covers it: no hold until more steps make it sure."""
-    sure, unsure = AdaptiveHold(), AdaptiveHold()
+    sure, unsure = AdaptiveHold(DP), AdaptiveHold(DP)
     group_steps(sure, 64, penalty_ms=60.0, prompts=(1024, 2048))
     caplog.clear()  # the sure fit's decision (vLLM's logger may already log INFO)
     with caplog.at_level(logging.INFO, logger="vllm"):
@@ -133,7 +133,7 @@ def test_rounding_does_not_decide_a_fit_of_collinear_steps() -> None:
     negative in one of them, and that one held for 1.07 s where its twin held for nothing."""
     fits = []
     for twist in (0.0, 1e-15, -1e-15):
-        hold = AdaptiveHold()
+        hold = AdaptiveHold(DP)
         for index in range(64):
             chunk = 4096 - 4 * (index % 29) if index % 5 < 2 else 0
             ms = 90.0 + (700.0 + 0.1 * DP * chunk if chunk else 0.0)
@@ -150,7 +150,7 @@ def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() 
     """At a large cap one waiting request idles a tiny share of the group's slots, but the held request can finish
     after all its peers and run alone: the hold is priced at an eighth of a decode step per step at least, so it lasts
     at most 8 x the saving in decode steps, however full the ranks are."""
-    hold, cap = AdaptiveHold(), 32
+    hold, cap = AdaptiveHold(DP), 32
     group_steps(hold, 600, penalty_ms=150.0)
     assert hold.holding
     one_waiting = [[cap, 0, 0, 0], [cap - 1, 1, 0, 0]]  # 1 idle slot of 63 running: 1/63 of a step
@@ -160,7 +160,7 @@ def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() 
 
 
 def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog: pytest.LogCaptureFixture) -> None:
-    hold = AdaptiveHold()
+    hold = AdaptiveHold(DP)
     with caplog.at_level(logging.INFO, logger="vllm"):
         group_steps(hold, 600, penalty_ms=0.0)
         assert hold.penalty_s * 1e3 < 1.0 and not hold.holding
@@ -196,7 +196,7 @@ def _hold_lengths(
 def test_holds_that_never_align_shrink_then_stop_and_are_tried_again(caplog: pytest.LogCaptureFixture) -> None:
     """The full rank never has a request of its own waiting when it leaves its cap (the router sent it to the rank
     with the free slot): a hold that ends then, or expires, aligned nothing, and each cuts the next hold's budget."""
-    hold = AdaptiveHold()
+    hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
     full, alone = [[CAP, 0, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP - 1, 0, 0, 0], [CAP - 1, 1, 0, 0]]
     lengths = _hold_lengths(hold, full, None, 12) + _hold_lengths(hold, full, alone, 12)
@@ -217,7 +217,7 @@ def test_holds_that_never_align_shrink_then_stop_and_are_tried_again(caplog: pyt
 def test_holds_that_align_keep_their_budget() -> None:
     """When the full rank leaves its cap with a request of its own waiting, both ranks admit in the same step: the
     hold did what it is for, and the next one gets the whole saving again."""
-    hold = AdaptiveHold()
+    hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
     full, together = [[CAP, 1, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP - 1, 1, 0, 0], [CAP - 1, 1, 0, 0]]
     assert _hold_lengths(hold, full, together, 20) == [3] * 20 and hold.aligned == 1.0
@@ -226,7 +226,7 @@ def test_holds_that_align_keep_their_budget() -> None:
 
 def test_a_refit_folds_its_steps_as_if_each_had_faded_the_sums_in_turn() -> None:
     """The steps' inputs wait for the refit; folded at once they weigh what folding each step would have given."""
-    hold, rng = AdaptiveHold(), random.Random(5)
+    hold, rng = AdaptiveHold(DP), random.Random(5)
     steps = [[[CAP - 1, 0, rng.choice((0, 0, 512)), rng.randint(15_000, 40_000)] for _ in range(DP)] for _ in range(96)]
     expected = [[0.0] * 6 for _ in range(6)]
     for rows in steps:
@@ -234,12 +234,12 @@ def test_a_refit_folds_its_steps_as_if_each_had_faded_the_sums_in_turn() -> None
         prefill, longest = [r[2] for r in rows], max(r[3] for r in rows)
         z = (1.0, float(any(prefill)), max(prefill), sum(prefill), DP * (CAP - 1.0), longest / 1e6)
         expected = [[v * (1 - 1 / 1024) + x * y for v, y in zip(row, z)] for row, x in zip(expected, z)]
-    assert hold.steps == 96 and hold.fresh == []
+    assert hold.steps == 96
     assert hold.moments.flatten().tolist() == pytest.approx([v for row in expected for v in row], rel=1e-12)
 
 
 def test_every_rank_decides_the_same_from_the_same_rows() -> None:
-    ranks = [AdaptiveHold() for _ in range(DP)]
+    ranks = [AdaptiveHold(DP) for _ in range(DP)]
     for hold in ranks:
         group_steps(hold, 400, penalty_ms=80.0)
     rows = [[CAP, 2, 0, 0], [CAP - 2, 3, 0, 0]]

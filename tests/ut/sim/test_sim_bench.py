@@ -32,6 +32,8 @@ def test_tiny_benchmark_prints_ratios(capsys: pytest.CaptureFixture[str]) -> Non
     gate = out.split("the gate's own work inside the whole step")[1].split("\n\n")[0].splitlines()[3:]
     assert [line.split()[1:3] for line in gate] == [["ours", "on,"], ["ours", "on,"], ["ours", "adaptive,"]]
     assert all(float(cell) > 0 for line in gate for cell in line.split()[-4:])
+    # The share of steps the gate was closed: what each variant measured (the adaptive rule has not fitted in 3 steps).
+    assert [line.split()[-5] for line in gate] == ["0", "100", "0"]
 
 
 def test_bad_dp_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
