@@ -168,8 +168,8 @@ class Subject:
             rng, dp_size = self.rows_rng, len(self.scheduler.balance_queue)
             prefills = [rng.choice((128, 512, 1024)) for _ in range(rng.randint(1, 8) * (rng.random() < 0.25))]
             step_us = 30_000 + (100_000 + 10 * sum(prefills)) * bool(prefills) + rng.randrange(2_000)
-            rows = [[0, 0, prefill, step_us] for prefill in prefills + [0] * (dp_size - 1 - len(prefills))]
-            rows = rows[: dp_size - 1] + [[self.queue_value, 0, 0, step_us]]  # the last at its cap: admits none
+            tokens = (prefills + [0] * dp_size)[: dp_size - 1]  # the other ranks' prefills (as many as there are)
+            rows = [[0, 0, t, step_us] for t in tokens] + [[self.queue_value, 0, 0, step_us]]  # at its cap: admits none
             started_gather = time.thread_time_ns()
             self.scheduler.balance_row()
             row_ns = time.thread_time_ns() - started_gather
