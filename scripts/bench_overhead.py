@@ -6,16 +6,16 @@ of ``balance_queue``) this times ``schedule()`` at 128 running requests (the cap
 vLLM's stock ``Scheduler`` (twice: stock against itself), ours with the gate open, ours with the gate closed,
 ours with the adaptive rule and a rank at its cap and, when the vllm-ascend wheel is installed, its released
 copy (0.18.0) with the gate closed. Variants are interleaved step by step, in a shuffled order, so machine
-noise hits them alike, each built several times (``--instances``: where a scheduler lands in memory moves its
-step by a few per cent) with its samples pooled; the median thread CPU time per step of each is reported as a
-ratio to stock, beside stock against itself (A/A), the run's noise floor.
+noise hits them alike, each built afresh in several rounds (``--rounds`` x ``--instances``, in a shuffled order:
+where in memory a scheduler lands moves its step by a few per cent) with its samples pooled; the median thread
+CPU time per step of each is reported as a ratio to stock, beside stock against itself (A/A), the run's noise floor.
 A second table times ``schedule()`` plus ``make_stats()`` (what a step costs with the gate's
 metrics on: ours carries its counts to vLLM's /metrics in the stats, see balance_metrics), a
 third the whole step (``update_from_output()``, which makes the stats, and the gate's decision on
 the gathered rows too), and a fourth the gate's read of ``balance_queue`` alone, against one-tensor
 alternatives.
 
-    .venv/bin/python scripts/bench_overhead.py [--dp-sizes 1,8,64,256] [--steps 300] [--instances 3]
+    .venv/bin/python scripts/bench_overhead.py [--dp-sizes 1,8,64,256] [--steps 300] [--instances 4] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -188,6 +188,48 @@ class Subject:
                 getattr(self, name).append(value)
 
 
+def run_round(
+    by_variant: list[list[Subject]],
+    variants: list[tuple[str, type, str | None, int | None, str]],
+    instances_per_variant: int,
+    steps: int,
+    shuffler: random.Random,
+    build: Callable[[str, type, str | None, int | None, str], Subject],
+) -> None:
+    """Build ``--instances`` schedulers per variant, step them all interleaved, keep their samples, drop them.
+
+    Where in memory a scheduler lands moves its step by a few per cent, and a variant built always in the same turn
+    lands alike each time: so the build order is shuffled, and each run has several rounds of fresh schedulers. Few
+    at once: with 48 schedulers of 1000 steps interleaved their data outgrew a 32 MiB cache, and vLLM's own
+    update_from_output() read 1.04-1.06x stock for schedulers that ran less of the gate's code than others at 1.00.
+    """
+    built: list[list[Subject]] = [[] for _ in variants]
+    for _ in range(instances_per_variant):
+        order = list(zip(built, variants))
+        shuffler.shuffle(order)
+        for instances, variant in order:
+            instances.append(build(*variant))
+    subjects = [subject for instances in built for subject in instances]
+    gc.collect()
+    # Collected between steps, untimed: a collection would land on whichever step crossed its threshold.
+    gc.disable()
+    try:
+        for step in range(steps):  # step by step in turn: load spikes hit every variant alike
+            # Shuffled: a step runs faster after one of its own class (its code still in the caches), so no
+            # variant may always follow the same one.
+            shuffler.shuffle(subjects)
+            for subject in subjects:
+                subject.measure(1)
+            if step % 50 == 49:
+                gc.collect()
+    finally:
+        gc.enable()
+    for instances, fresh in zip(by_variant, built):
+        for subject in fresh:
+            del subject.scheduler  # its samples stay; its memory goes before the next round is built
+        instances.extend(fresh)
+
+
 def pooled_us(instances: list[Subject], samples: str, of: Callable[[list[int]], float] = statistics.median) -> float:
     """``of`` (the median unless given) a variant's ``samples`` (a Subject's list of them), its instances' pooled."""
     return of([ns for subject in instances for ns in getattr(subject, samples)]) / 1000.0
@@ -254,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--running", type=int, default=128, help="running requests (= the cap)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per instance")
     parser.add_argument(
-        "--instances", type=int, default=8, help="schedulers built per variant (one alone is up to 4%% off another)"
+        "--instances", type=int, default=4, help="schedulers per variant in a round (one alone is 4%% off another)"
     )
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of fresh schedulers, their samples pooled")
     args = parser.parse_args(argv)
-    if min(args.running, args.steps, args.instances) < 1:
-        parser.error("--running, --steps and --instances must be >= 1")
+    if min(args.running, args.steps, args.instances, args.rounds) < 1:
+        parser.error("--running, --steps, --instances and --rounds must be >= 1")
     torch.set_num_threads(1)
 
     stock = vllm_scheduler_module.Scheduler
@@ -280,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((f"v{version} copy, gate closed", released, "1", args.running, "cap"))
     print(
         f"schedule() median thread CPU time per step at {args.running} running (cap {args.running}, 4 waiting); "
-        f"{args.instances} schedulers per variant, {args.steps} steps each, interleaved step by step; stock again "
-        "(A/A) is stock against itself: a ratio closer to 1 than it is noise."
+        f"{args.rounds} rounds of {args.instances} fresh schedulers per variant, {args.steps} steps each, interleaved "
+        "step by step; stock again (A/A) is stock against itself: a ratio closer to 1 than it is noise."
     )
     print("reference column: " + (released_note if released is not None else f"absent: {released_note}"))
     names = [name for name, *_ in variants]
@@ -293,28 +336,18 @@ def main(argv: list[str] | None = None) -> int:
     gate_rows = [["DP", "variant", "gate closed %", "balance_row() median", "mean", "balance_update() median", "mean"]]
     reads = []
     verdict = stats_verdict = whole_verdict = None
+
+    def subject_maker(dp_size: int) -> Callable[[str, type, str | None, int | None, str], Subject]:
+        def make(name: str, cls: type, flag: str | None, value: int | None, rule: str) -> Subject:
+            return Subject(name, cls, flag, value, model_dir, dp_size, args.running, max_tokens, rule)
+
+        return make
+
     for dp_size in args.dp_sizes:
-        # Built in turn, instance by instance: where in memory a scheduler lands moves its step by a few per cent,
-        # so each variant gets several, pooled.
         by_variant: list[list[Subject]] = [[] for _ in variants]
-        for _ in range(args.instances):
-            for instances, (name, cls, flag, value, rule) in zip(by_variant, variants):
-                instances.append(Subject(name, cls, flag, value, model_dir, dp_size, args.running, max_tokens, rule))
-        subjects, shuffler = [subject for instances in by_variant for subject in instances], random.Random(dp_size)
-        gc.collect()
-        # Collected between steps, untimed: a collection would land on whichever step crossed its threshold.
-        gc.disable()
-        try:
-            for step in range(args.steps):  # step by step in turn: load spikes hit every variant alike
-                # Shuffled: a step runs faster after one of its own class (its code still in the caches), so no
-                # variant may always follow the same one.
-                shuffler.shuffle(subjects)
-                for subject in subjects:
-                    subject.measure(1)
-                if step % 50 == 49:
-                    gc.collect()
-        finally:
-            gc.enable()
+        shuffler = random.Random(dp_size)
+        for _ in range(args.rounds):
+            run_round(by_variant, variants, args.instances, args.steps, shuffler, subject_maker(dp_size))
         ratios: dict[str, list[float]] = {}
         for table, samples in ((rows, "samples_ns"), (stats_rows, "with_stats_ns"), (whole_rows, "whole_ns")):
             base = pooled_us(by_variant[0], samples)

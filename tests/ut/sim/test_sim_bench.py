@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import bench_overhead
 import pytest
 import vllm.v1.core.sched.scheduler as vllm_scheduler_module
@@ -21,10 +23,13 @@ def test_released_copy_loads_without_rebinding_vllm() -> None:
 
 
 def test_tiny_benchmark_prints_ratios(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_overhead.main(["--dp-sizes", "4", "--running", "4", "--steps", "3", "--instances", "2"]) == 0
+    assert (
+        bench_overhead.main(["--dp-sizes", "4", "--running", "4", "--steps", "3", "--instances", "2", "--rounds", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "ours on, gate closed ×" in out and "gate read of balance_queue alone" in out
-    assert "stock again (A/A) ×" in out and "2 schedulers per variant, 3 steps each" in out
+    assert "stock again (A/A) ×" in out and "2 rounds of 2 fresh schedulers per variant, 3 steps each" in out
     header, rule, row = out.splitlines()[2:5]
     assert header.split()[:3] == ["DP", "stock", "µs"] and set(rule) == {"-"}
     assert row.split()[0] == "4" and all(float(cell) > 0 for cell in row.split()[1:])
@@ -48,3 +53,30 @@ def test_the_target_is_ours_worst_beside_stock_against_itself() -> None:
     line = bench_overhead.target_verdict("ours", [1.5, 1.01, 1.0, 0.99, 2.0])
     assert line.endswith("1.010x -> met (stock against itself: 1.500x)")
     assert "1.030x -> NOT met" in bench_overhead.target_verdict("ours", [1.0, 1.0, 1.03, 0.99])
+
+
+def test_each_round_builds_fresh_schedulers_in_a_new_order() -> None:
+    """Rounds pool their samples, free their schedulers, and build the variants in an order that changes."""
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name, self.scheduler, self.steps = name, object(), 0
+
+        def measure(self, steps: int) -> None:
+            self.steps += steps
+
+    variants = [(f"v{i}", object, None, None, "cap") for i in range(6)]
+    built: list[str] = []
+    by_variant: list[list[Stub]] = [[] for _ in variants]
+
+    def build(name: str, *_: object) -> Stub:
+        built.append(name)
+        return Stub(name)
+
+    shuffler = random.Random(0)
+    for _ in range(3):
+        bench_overhead.run_round(by_variant, variants, 2, 5, shuffler, build)  # type: ignore[arg-type]
+    assert [[s.name for s in instances] for instances in by_variant] == [[name] * 6 for name, *_ in variants]
+    assert all(s.steps == 5 and not hasattr(s, "scheduler") for instances in by_variant for s in instances)
+    orders = [built[i : i + 6] for i in range(0, len(built), 6)]
+    assert len(orders) == 6 and len({tuple(order) for order in orders}) > 1
