@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT / "tests" / "e2e_cpu"), str(ROOT / "scripts")]
 from harness import REAL_FORWARD_PATH, REAL_FORWARD_PLUGINS, Server  # noqa: E402
 
 sys.path.insert(0, str(REAL_FORWARD_PATH))
-from balance_real_forward.step_trace import ARM_FILE_ENV, same_server_arm  # noqa: E402
+from balance_real_forward.step_trace import ARM_FILE_ENV, PENALTY_ENV, same_server_arm  # noqa: E402
 from tiny_model import real_moe_model  # noqa: E402
 
 DP_SIZE = 2
@@ -226,11 +226,12 @@ def _mean_ms(by_it: dict[int, list[dict[str, Any]]], prefill: bool) -> float:
 
 
 def run_server(arms: list[str], max_num_seqs: int, regimes: list[Regime], model: Path, bind: str, reps: list[int],
-               work: Path, record: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
+               work: Path, record: Callable[[dict[str, Any]], None], penalty_ms: float = 0.0) -> None:  # fmt: skip
     """One server: warm up, then every regime of its ``max_num_seqs``, once per repetition in ``reps``, under each of
     ``arms`` in turn (rotated per repetition). One arm: the server is that arm's. Several (``--same-server``): the
     server is balanced and the step trace switches the arm before each run (``same_server_arm``). ``record`` gets
-    each run as it ends."""
+    each run as it ends. ``penalty_ms``: the step trace's emulated graph mode (a forward with a prefill waits that
+    long, so every rank does)."""
     shared = len(arms) > 1
     trace_dir = work / f"{'same' if shared else arms[0]}-{max_num_seqs}-{reps[0]}"
     trace_dir.mkdir(parents=True)
@@ -238,6 +239,8 @@ def run_server(arms: list[str], max_num_seqs: int, regimes: list[Regime], model:
     env = {"BALANCE_STEP_TRACE_DIR": str(trace_dir), "VLLM_PLUGINS": REAL_FORWARD_PLUGINS + ",balance_step_trace"}
     if bind != "auto":
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    if penalty_ms:
+        env[PENALTY_ENV] = str(penalty_ms)
     arm_file = trace_dir / "arm.json"
     if shared:
         env[ARM_FILE_ENV] = str(arm_file)
@@ -459,6 +462,12 @@ def main() -> None:
         help="K balanced servers, each running every arm --reps times (the step trace switches it)",
     )
     parser.add_argument("--from-runs", type=Path, help="no servers: summarise a runs.json an earlier bench wrote")
+    parser.add_argument(
+        "--prefill-penalty-ms",
+        type=float,
+        default=0.0,
+        help="emulated graph mode: a forward whose batch holds a prefill first waits this long (every rank with it)",
+    )
     args = parser.parse_args()
     arms = args.arms.split(",")
     for arm in arms:
@@ -489,7 +498,7 @@ def main() -> None:
                       f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
                 reps = list(range(index * args.reps, (index + 1) * args.reps))
                 run_server(arms, seqs, [r for r in regimes if r.max_num_seqs == seqs], model, args.bind, reps, work,
-                           record)  # fmt: skip
+                           record, args.prefill_penalty_ms)  # fmt: skip
     separate_reps = 0 if args.from_runs or args.same_server else args.reps  # one server per arm and repetition
     total = separate_reps * len(servers) * len(arms)
     for rep in range(separate_reps):
@@ -499,7 +508,7 @@ def main() -> None:
                 print(f"[{done + 1}/{total}] rep {rep} {arm} max_num_seqs={seqs} "
                       f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
                 mine = [r for r in regimes if r.max_num_seqs == seqs]
-                run_server([arm], seqs, mine, model, args.bind, [rep], work, record)
+                run_server([arm], seqs, mine, model, args.bind, [rep], work, record, args.prefill_penalty_ms)
     rows = summarise(runs, arms, regimes)
     print()
     print_table(rows)

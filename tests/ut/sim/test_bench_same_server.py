@@ -32,7 +32,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
-from offline_vllm import build_scheduler, make_vllm_config
+from offline_vllm import build_scheduler, fake_model_output, make_request, make_vllm_config
 
 from vllm_ascend.core.balance_rule import RULE_ENV
 from vllm_ascend.core.balance_scheduler import BalanceScheduler, BalanceSchedulingMixin
@@ -94,6 +94,23 @@ def test_each_arm_decides_the_gate_its_own_way(
     assert scheduler.balance_gate_closed() is closed
     # Only the adaptive arm moves the adaptive rule's state (it has not fitted yet, so it does not hold).
     assert scheduler._balance_hold is hold and hold.steps == observed
+
+
+def test_emulated_graph_mode_delays_a_forward_with_a_prefill_only(
+    step_trace: ModuleType, tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--prefill-penalty-ms``: a worker's forward waits the penalty when its batch prefills, not when it decodes."""
+    monkeypatch.setenv(step_trace.PENALTY_ENV, "70")
+    slept: list[float] = []
+    monkeypatch.setattr(step_trace.time, "sleep", slept.append)
+    forward = step_trace._penalised_forward(lambda runner, output: output.total_num_scheduled_tokens)
+    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
+    scheduler.add_request(make_request("a", 12, 4))
+    prefill = scheduler.schedule()
+    assert forward(None, prefill) == 12 and slept == [0.07]
+    scheduler.update_from_output(prefill, fake_model_output(scheduler, prefill))
+    decode = scheduler.schedule()
+    assert forward(None, decode) == 1 and slept == [0.07]
 
 
 def _run_of(step_ms: Any, steps: int, cap: int = 32) -> dict[str, Any]:

@@ -13,6 +13,12 @@ the time from the start of ``schedule()`` to the iteration's end (the model step
 wait for input before it). ``closed``: a balanced scheduler ran the step gated (``PAUSED_NEW`` set by the gate).
 Both wrapped methods are vLLM's own, so stock and balanced engines are traced alike.
 
+With ``BALANCE_PREFILL_PENALTY_MS`` set, a worker whose batch holds a prefill sleeps that long before its forward: an
+emulated graph mode. On an NPU with decode-only graphs a step in which any DP rank prefills runs every rank without
+its graph (the simulator's ``prefill_step_overhead_ms``); here the other ranks wait as long in the forward's first
+collective (DP x EP steps in lockstep), so every rank pays it, as there. The penalty is the emulation's; the serving,
+the scheduling and the timing around it are the real engine's.
+
 With ``BALANCE_ARM_FILE`` also set (the bench's ``--same-server``), one balanced server runs every arm in turn: the
 file holds ``{"arm": name, "gate": "off" | "adaptive" | "cap", "interval": N}``, re-read at each ``schedule()`` once
 it changes (the bench writes it while the engines are idle). ``gate`` ``off`` leaves the gate open (the gather still
@@ -31,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TRACE_DIR_ENV, ARM_FILE_ENV = "BALANCE_STEP_TRACE_DIR", "BALANCE_ARM_FILE"
+TRACE_DIR_ENV, ARM_FILE_ENV, PENALTY_ENV = "BALANCE_STEP_TRACE_DIR", "BALANCE_ARM_FILE", "BALANCE_PREFILL_PENALTY_MS"
 _state: dict[str, Any] = {"it": 0, "pending": None, "file": None, "engine": None, "arm": None, "arm_mtime": None}
 
 
@@ -44,6 +50,10 @@ def install() -> None:
 
     Scheduler.schedule = _traced_schedule(Scheduler.schedule)  # type: ignore[method-assign]
     DPEngineCoreProc._has_global_unfinished_reqs = _counted_sync(DPEngineCoreProc._has_global_unfinished_reqs)
+    if float(os.environ.get(PENALTY_ENV) or 0) > 0:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner's base: its execute_model
+
+        GPUModelRunner.execute_model = _penalised_forward(GPUModelRunner.execute_model)  # type: ignore[method-assign]
     try:
         from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
     except ImportError:  # the package is not installed: nothing balanced to time
@@ -131,6 +141,19 @@ def _traced_schedule(schedule: Any) -> Any:
         return output
 
     return traced
+
+
+def _penalised_forward(execute_model: Any) -> Any:
+    penalty_s = float(os.environ[PENALTY_ENV]) / 1000
+
+    @functools.wraps(execute_model)
+    def penalised(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        # No drafts here: a request scheduling more than one token is prefilling.
+        if scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens):
+            time.sleep(penalty_s)
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    return penalised
 
 
 def _counted_sync(method: Any) -> Any:
