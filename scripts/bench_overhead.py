@@ -201,7 +201,7 @@ def run_round(
     Where in memory a scheduler lands moves its step by a few per cent, and a variant built always in the same turn
     lands alike each time: so the build order is shuffled, and each run has several rounds of fresh schedulers. Few
     at once: with 48 schedulers of 1000 steps interleaved their data outgrew a 32 MiB cache, and vLLM's own
-    update_from_output() read 1.04-1.06x stock for schedulers that ran less of the gate's code than others at 1.00.
+    update_from_output() read 1.04-1.05x stock for schedulers that ran less of the gate's code than others at 1.00-1.02.
     """
     built: list[list[Subject]] = [[] for _ in variants]
     for _ in range(instances_per_variant):
@@ -345,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for dp_size in args.dp_sizes:
         by_variant: list[list[Subject]] = [[] for _ in variants]
-        shuffler = random.Random(dp_size)
+        shuffler, make = random.Random(dp_size), subject_maker(dp_size)
         for _ in range(args.rounds):
-            run_round(by_variant, variants, args.instances, args.steps, shuffler, subject_maker(dp_size))
+            run_round(by_variant, variants, args.instances, args.steps, shuffler, make)
         ratios: dict[str, list[float]] = {}
         for table, samples in ((rows, "samples_ns"), (stats_rows, "with_stats_ns"), (whole_rows, "whole_ns")):
             base = pooled_us(by_variant[0], samples)

@@ -100,10 +100,9 @@ def test_emulated_graph_mode_delays_a_forward_with_a_prefill_only(
     step_trace: ModuleType, tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--prefill-penalty-ms``: a worker's forward waits the penalty when its batch prefills, not when it decodes."""
-    monkeypatch.setenv(step_trace.PENALTY_ENV, "70")
     slept: list[float] = []
     monkeypatch.setattr(step_trace.time, "sleep", slept.append)
-    forward = step_trace._penalised_forward(lambda runner, output: output.total_num_scheduled_tokens)
+    forward = step_trace._penalised_forward(lambda runner, output: output.total_num_scheduled_tokens, 0.07)
     scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
     scheduler.add_request(make_request("a", 12, 4))
     prefill = scheduler.schedule()

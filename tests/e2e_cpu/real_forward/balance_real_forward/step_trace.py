@@ -50,10 +50,11 @@ def install() -> None:
 
     Scheduler.schedule = _traced_schedule(Scheduler.schedule)  # type: ignore[method-assign]
     DPEngineCoreProc._has_global_unfinished_reqs = _counted_sync(DPEngineCoreProc._has_global_unfinished_reqs)
-    if float(os.environ.get(PENALTY_ENV) or 0) > 0:
+    if (penalty_ms := float(os.environ.get(PENALTY_ENV) or 0)) > 0:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner's base: its execute_model
 
-        GPUModelRunner.execute_model = _penalised_forward(GPUModelRunner.execute_model)  # type: ignore[method-assign]
+        penalised = _penalised_forward(GPUModelRunner.execute_model, penalty_ms / 1000)
+        GPUModelRunner.execute_model = penalised  # type: ignore[method-assign]
     try:
         from vllm_ascend.core.balance_scheduler import BalanceSchedulingMixin
     except ImportError:  # the package is not installed: nothing balanced to time
@@ -143,9 +144,7 @@ def _traced_schedule(schedule: Any) -> Any:
     return traced
 
 
-def _penalised_forward(execute_model: Any) -> Any:
-    penalty_s = float(os.environ[PENALTY_ENV]) / 1000
-
+def _penalised_forward(execute_model: Any, penalty_s: float) -> Any:
     @functools.wraps(execute_model)
     def penalised(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         # No drafts here: a request scheduling more than one token is prefilling.
