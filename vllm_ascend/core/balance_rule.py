@@ -29,19 +29,22 @@ hold's own idle slots cost less than that extra: what a hold also costs (the hel
 wave, the closed loop's arrivals re-forming around them) is not priced, so a saving under one step is not taken. Less
 the error: with few steps with a prefill, or prompts of one or two lengths, the fit cannot tell the fixed extra from
 the per-token cost (on the real engine it once put 82.6 ms there, later 0-12 ms). In graph mode (the simulator's paper
-preset: 710 ms beside a 93 ms step) it still holds (+23 % predicted, against +32 % holding for the whole extra); on
-the eager engine's traces it never does.
+preset: 710 ms beside a 93 ms step) it still holds (+32.5 % predicted, `cap` +31.8 %); on the eager engine's traces
+it never does.
 
 A held step costs the free slots it keeps from waiting requests (their share of the step), but never less than an
 eighth of a decode step while any request waits: a held request can finish after all its peers and then run alone,
 every rank stepping for its tokens (measured on the real engine: a request held 85 steps, priced at 1/63 of a step
 each, ran 85 steps behind its wave and cost that closed loop 2-3 s of a 45 s run). So a hold lasts at most 8 x the
 saving in decode steps; the simulator's paper preset needs holds about that long (stop 31: an eighth +32 %, a
-quarter +22 %, a whole step +5 %, predicted). A hold saves only if the prefills it waits for do come together: its
-budget is the saving times the share of recent holds that ended with two or more ranks admitting at once (a moving
-average, 1 at first). Where they do not (a router that sends the next request to the rank with the free slot, not
-to the rank at its cap), holds shrink, then stop; the share drifts back towards 1 (over ~1000 steps), so the rule
-tries again.
+quarter +22 %, a whole step +5 %, predicted). A hold saves only if the prefills it waits for do come together: a
+hold that ends (its rank leaves the cap, or it spends its budget) with two or more ranks admitting at once saved the
+saving, any other saved nothing, and every hold cost its held steps. The rule keeps that ledger (faded like the fit,
+at most two holds' saving ahead) and, deciding at each refit (every 32 steps), holds only while the ledger is not in
+debt by more than one idle slot-step. Where holds do not align (a closed loop whose client sends the next request a
+second after a response, to the rank with the free slot: measured on the real engine with an emulated graph penalty,
+the rule that trusted holds by default lost 7.8-10.1 %), one hold's loss stops them; the debt fades over a few
+thousand steps, then one hold tries again.
 
 Every cost is measured, from values every rank gathers each step (``ROW``), so every rank computes the same numbers:
 the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on (1, any
@@ -93,7 +96,10 @@ class AdaptiveHold:
         # normal equations and its residual; the rows of the steps since the last refit wait in `fresh` (int32, step
         # after step), written in place: a step allocates nothing and calls no numpy (cold, tens of us in a step).
         self.moments, self.fresh = np.zeros((6, 6)), memoryview(np.zeros(_REFIT_EVERY * ranks * len(ROW), np.int32))
-        self.steps, self.decode_s, self.penalty_s, self.saving_s, self.held_s, self.aligned = 0, 0.0, 0.0, 0.0, 0.0, 1.0
+        # The fit's figures; one idle slot-step at full load (every rank at its cap), the least worth holding for; the
+        # hold's cost so far, and the ledger of holds: what they saved less what they cost.
+        self.steps, self.decode_s, self.penalty_s, self.error_s = 0, 0.0, 0.0, 0.0
+        self.saving_s, self.slot_s, self.held_s, self.credit_s = 0.0, 0.0, 0.0, 0.0
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
     def update(self, rows: memoryview, cap: int) -> bool:
@@ -103,21 +109,21 @@ class AdaptiveHold:
         counts, admissible = rows[COLUMNS[0]], rows[COLUMNS[1]]
         if any(rows[COLUMNS[3]]):  # a rank finished a step since the last gather
             self.fresh[(at := self.steps % _REFIT_EVERY * len(rows)) : at + len(rows)] = rows
-            # Old hold outcomes fade as the fit's old steps do: the share drifts back to 1, so holds are tried again.
-            self.steps, self.aligned = self.steps + 1, 1 - (1 - self.aligned) * _FADE
+            # The ledger fades as the fit's old steps do: after holds that lost, holds are tried again.
+            self.steps, self.credit_s = self.steps + 1, self.credit_s * _FADE
             if self.steps % _REFIT_EVERY == 0:
                 self._refit(len(counts) * cap)
-        if max(counts) < cap or not self.holding:
-            # A hold ends as its rank leaves the cap: it aligned if two or more ranks admit now.
-            self.aligned = (3 * self.aligned + (sum(admissible) > max(admissible))) / 4 if self.held_s else self.aligned
-            self.held_s = 0.0
-            return False
-        # One more held step costs the requests it keeps from free slots, and at least _STRAGGLER of it (a straggler).
-        cost_s = self.decode_s * max((admits := sum(admissible)) / max(sum(counts), 1), _STRAGGLER * bool(admits))
-        # Past the budget the hold expires unaligned: admit now; a new hold starts at the next full rank.
-        expired = self.held_s + cost_s > self.saving_s * self.aligned
-        self.held_s, self.aligned = (0.0, self.aligned * 3 / 4) if expired else (self.held_s + cost_s, self.aligned)
-        return not expired
+        if self.holding and max(counts) >= cap:  # not holding: no reduction over the ranks
+            # One more held step costs the requests it keeps from free slots, at least _STRAGGLER of it (a straggler).
+            cost_s = self.decode_s * max((admits := sum(admissible)) / max(sum(counts), 1), _STRAGGLER * bool(admits))
+            if self.held_s + cost_s <= self.saving_s:
+                self.held_s += cost_s
+                return True
+        # A hold ends as its rank leaves the cap, or expires past its budget (admit now): it saved if two or more
+        # ranks admit at once. The ledger keeps at most two holds' saving ahead, so holds that stop aligning stop soon.
+        saved_s = self.saving_s * (sum(admissible) > max(admissible)) if self.held_s else 0.0
+        self.credit_s, self.held_s = min(self.credit_s + saved_s - self.held_s, 2 * self.saving_s), 0.0
+        return False
 
     def _refit(self, full: int) -> None:
         # The steps since the last refit fold in at once, each faded as if folded in its turn (the newest weighs 1).
@@ -137,15 +143,14 @@ class AdaptiveHold:
         # one or two lengths). The residual is the prefill steps' (theirs vary by hundreds of ms, a decode step's by a
         # few), so its variance is over their count, not all steps'.
         variance = max(float(s[5, 5] - coef @ s[:5, 5]), 0.0) / max(m[1][1] - 5, 1.0)
-        self.penalty_s, error_s = float(coef[1]), _SURE * (variance * float(inverse[1, 1])) ** 0.5
+        self.penalty_s, self.error_s = float(coef[1]), _SURE * (variance * float(inverse[1, 1])) ** 0.5
         self.decode_s = max((m[0][5] - m[1][5]) / (m[0][0] - m[1][1]), 1e-6)  # the mean step without a prefill
-        self.saving_s = max(self.penalty_s - error_s - self.decode_s, 0.0)
-        # Anything to hold for: does the expected saving cover one idle slot-step at full load (every rank at its cap)?
-        if (holding := self.saving_s * self.aligned > self.decode_s / full) != self.holding:
-            verdict = ("holds admissions while a rank is at its cap, for at most that cost in steps" if holding else
-                       "admits without waiting (aligning prefills would save less than one slot-step)")  # fmt: skip
+        self.saving_s, self.slot_s = max(self.penalty_s - self.error_s - self.decode_s, 0.0), self.decode_s / full
+        # Hold for a saving above one idle slot-step, while holds have not lost more than that.
+        if (holding := self.saving_s > self.slot_s > -self.credit_s) != self.holding:
             logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
-                        "%.1f ms (+- %.1f) more than one without (%.1f ms), so a hold saves at most %.1f ms; %.0f %% "
-                        "of recent holds ended with two or more ranks admitting.", verdict, self.penalty_s * 1e3,
-                        error_s * 1e3, self.decode_s * 1e3, self.saving_s * 1e3, 100 * self.aligned)  # fmt: skip
+                        "%.1f ms (+- %.1f) more than one without (%.1f ms), so a hold saves at most %.1f ms; recent "
+                        "holds saved %.1f ms more than they cost.", "holds admissions while a rank is at its cap, "
+                        "for at most that cost" if holding else "admits without waiting", self.penalty_s * 1e3,
+                        self.error_s * 1e3, self.decode_s * 1e3, self.saving_s * 1e3, self.credit_s * 1e3)  # fmt: skip
             self.holding = holding

@@ -85,16 +85,18 @@ def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog:
     assert hold.holding
     decisions = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()]
     assert len(decisions) == 1 and "holds admissions while a rank is at its cap" in decisions[0]
-    # Rank 0 at its cap, rank 1 with a free slot and a request waiting: each held step costs 1/7 of a decode step.
-    full = [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]
-    cost_s = hold.decode_s / (2 * CAP - 1)
-    # The first hold: the idle slot-steps worth the whole saving. It expired unaligned (the full rank never left its
-    # cap), so the next hold gets 3/4 of the saving.
-    assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / cost_s)] and hold.aligned == 0.75
-    assert _hold_lengths(hold, full, None, 1) == [int(0.75 * hold.saving_s / cost_s)]
     # Nothing to admit (no request waiting on a free slot): holding costs nothing, the gate stays closed.
     assert all(decide(hold, [[CAP, 3, 0, 0], [CAP - 1, 0, 0, 0]]) for _ in range(300))
     assert decide(hold, [[CAP - 1, 0, 0, 0], [CAP - 1, 2, 0, 0]]) is False  # no rank at its cap
+    # Rank 0 at its cap, rank 1 with a free slot and a request waiting: each held step costs 1/7 of a decode step.
+    full = [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]
+    cost_s = hold.decode_s / (2 * CAP - 1)
+    # The first hold: the idle slot-steps worth the whole saving. It expired with one rank admitting (the full rank
+    # never left its cap): it saved nothing, and the ledger is in debt. From the next refit on, no hold.
+    assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / cost_s)]
+    assert hold.credit_s == pytest.approx(-int(hold.saving_s / cost_s) * cost_s) and hold.holding
+    group_steps(hold, 32, penalty_ms=150.0, seed=1)
+    assert not hold.holding and _hold_lengths(hold, full, None, 1) == [0]
 
 
 def test_a_fixed_extra_below_one_decode_step_is_not_held_for(caplog: pytest.LogCaptureFixture) -> None:
@@ -150,13 +152,14 @@ def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() 
     """At a large cap one waiting request idles a tiny share of the group's slots, but the held request can finish
     after all its peers and run alone: the hold is priced at an eighth of a decode step per step at least, so it lasts
     at most 8 x the saving in decode steps, however full the ranks are."""
-    hold, cap = AdaptiveHold(DP), 32
-    group_steps(hold, 600, penalty_ms=150.0)
+    cap, holds = 32, [AdaptiveHold(DP), AdaptiveHold(DP)]  # one per hold (the first's loss would stop the second)
+    for hold in holds:
+        group_steps(hold, 600, penalty_ms=150.0)
     assert hold.holding
     one_waiting = [[cap, 0, 0, 0], [cap - 1, 1, 0, 0]]  # 1 idle slot of 63 running: 1/63 of a step
-    assert _hold_lengths(hold, one_waiting, None, 1, cap) == [int(8 * hold.saving_s / hold.decode_s)]
     many_waiting = [[cap, 0, 0, 0], [cap - 24, 30, 0, 0]]  # 24 of 40: their share, above the eighth
-    assert _hold_lengths(hold, many_waiting, None, 1, cap) == [int(0.75 * hold.saving_s / (hold.decode_s * 24 / 40))]
+    lengths = [_hold_lengths(each, rows, None, 1, cap) for each, rows in zip(holds, (one_waiting, many_waiting))]
+    assert lengths == [[int(8 * hold.saving_s / hold.decode_s)], [int(hold.saving_s / (hold.decode_s * 24 / 40))]]
 
 
 def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog: pytest.LogCaptureFixture) -> None:
@@ -193,35 +196,37 @@ def _hold_lengths(
     return lengths
 
 
-def test_holds_that_never_align_shrink_then_stop_and_are_tried_again(caplog: pytest.LogCaptureFixture) -> None:
-    """The full rank never has a request of its own waiting when it leaves its cap (the router sent it to the rank
-    with the free slot): a hold that ends then, or expires, aligned nothing, and each cuts the next hold's budget."""
+def test_a_hold_that_does_not_align_stops_holds_until_its_loss_fades(caplog: pytest.LogCaptureFixture) -> None:
+    """The full rank has no request of its own waiting when it leaves its cap (the router sent it to the rank with
+    the free slot): the hold saved nothing and cost its held steps. Holds stop until that debt fades to one idle
+    slot-step, then one is tried again."""
     hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
     full, alone = [[CAP, 0, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP - 1, 0, 0, 0], [CAP - 1, 1, 0, 0]]
-    lengths = _hold_lengths(hold, full, None, 12) + _hold_lengths(hold, full, alone, 12)
-    assert lengths[0] == int(hold.saving_s / (hold.decode_s / (2 * CAP - 1))) > 3 * lengths[6] > 0
-    assert lengths == sorted(lengths, reverse=True) and lengths[-1] == 0, lengths  # shrunk to nothing
-    assert hold.aligned < 0.01
     with caplog.at_level(logging.INFO, logger="vllm"):
-        group_steps(hold, 32, penalty_ms=150.0, seed=3)  # one refit: the expected saving is below one slot-step
+        assert _hold_lengths(hold, full, alone, 1) == [3]
+        assert hold.credit_s == pytest.approx(-3 * hold.decode_s / (2 * CAP - 1))
+        group_steps(hold, 1024, penalty_ms=150.0, seed=3)  # the debt fades, to 1/e: still more than a slot-step
         assert not hold.holding
-        group_steps(hold, 1024, penalty_ms=150.0, seed=4)  # old outcomes fade: the rule tries again
-        assert hold.holding and hold.aligned > 0.5
-    # The last two decisions: it stopped, naming the share of aligned holds, then (that share recovering) tried again.
+        group_steps(hold, 1024, penalty_ms=150.0, seed=4)
+        assert hold.holding and -hold.slot_s < hold.credit_s < 0
+    # The decisions: it stopped, naming the holds' loss, then (that loss faded) tried again.
     stopped, retried = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()][-2:]
-    assert "admits without waiting" in stopped and "; 1 % of recent holds ended with two or more ranks" in stopped
+    assert "admits without waiting" in stopped and "; recent holds saved -8.6 ms more than they cost." in stopped
     assert "holds admissions" in retried
 
 
-def test_holds_that_align_keep_their_budget() -> None:
+def test_holds_that_align_keep_holding_and_three_that_do_not_stop_them() -> None:
     """When the full rank leaves its cap with a request of its own waiting, both ranks admit in the same step: the
-    hold did what it is for, and the next one gets the whole saving again."""
+    hold did what it is for. The ledger keeps at most two holds' saving: after three holds that expire, no hold."""
     hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
     full, together = [[CAP, 1, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP - 1, 1, 0, 0], [CAP - 1, 1, 0, 0]]
-    assert _hold_lengths(hold, full, together, 20) == [3] * 20 and hold.aligned == 1.0
-    assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / (hold.decode_s / (2 * CAP - 1)))]
+    assert _hold_lengths(hold, full, together, 20) == [3] * 20 and hold.credit_s == 2 * hold.saving_s
+    budget = int(hold.saving_s / (hold.decode_s / (2 * CAP - 1)))
+    for held in (budget, budget, budget, 0):
+        assert _hold_lengths(hold, full, None, 1) == [held]
+        group_steps(hold, 32, penalty_ms=150.0, seed=held)  # a refit: it decides again
 
 
 def test_a_refit_folds_its_steps_as_if_each_had_faded_the_sums_in_turn() -> None:
@@ -244,7 +249,7 @@ def test_every_rank_decides_the_same_from_the_same_rows() -> None:
         group_steps(hold, 400, penalty_ms=80.0)
     rows = [[CAP, 2, 0, 0], [CAP - 2, 3, 0, 0]]
     assert len({tuple(decide(hold, rows) for _ in range(40)) for hold in ranks}) == 1
-    assert len({(hold.penalty_s, hold.saving_s, hold.decode_s, hold.held_s) for hold in ranks}) == 1
+    assert len({(hold.penalty_s, hold.saving_s, hold.decode_s, hold.held_s, hold.credit_s) for hold in ranks}) == 1
 
 
 def test_the_scheduler_reports_each_finished_step_once(tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
