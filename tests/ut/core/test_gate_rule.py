@@ -152,14 +152,14 @@ def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() 
     """At a large cap one waiting request idles a tiny share of the group's slots, but the held request can finish
     after all its peers and run alone: the hold is priced at an eighth of a decode step per step at least, so it lasts
     at most 8 x the saving in decode steps, however full the ranks are."""
-    cap, holds = 32, [AdaptiveHold(DP), AdaptiveHold(DP)]  # one per hold (the first's loss would stop the second)
-    for hold in holds:
+    cap, one, many = 32, AdaptiveHold(DP), AdaptiveHold(DP)  # one per hold (the first's loss would stop the second)
+    for hold in (one, many):
         group_steps(hold, 600, penalty_ms=150.0)
-    assert hold.holding
+        assert hold.holding
     one_waiting = [[cap, 0, 0, 0], [cap - 1, 1, 0, 0]]  # 1 idle slot of 63 running: 1/63 of a step
+    assert _hold_lengths(one, one_waiting, None, 1, cap) == [int(8 * one.saving_s / one.decode_s)]
     many_waiting = [[cap, 0, 0, 0], [cap - 24, 30, 0, 0]]  # 24 of 40: their share, above the eighth
-    lengths = [_hold_lengths(each, rows, None, 1, cap) for each, rows in zip(holds, (one_waiting, many_waiting))]
-    assert lengths == [[int(8 * hold.saving_s / hold.decode_s)], [int(hold.saving_s / (hold.decode_s * 24 / 40))]]
+    assert _hold_lengths(many, many_waiting, None, 1, cap) == [int(many.saving_s / (many.decode_s * 24 / 40))]
 
 
 def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog: pytest.LogCaptureFixture) -> None:
