@@ -40,11 +40,16 @@ saving in decode steps; the simulator's paper preset needs holds about that long
 quarter +22 %, a whole step +5 %, predicted). A hold saves only if the prefills it waits for do come together: a
 hold that ends (its rank leaves the cap, or it spends its budget) with two or more ranks admitting at once saved the
 saving, any other saved nothing, and every hold cost its held steps. The rule keeps that ledger (faded like the fit,
-at most two holds' saving ahead) and, deciding at each refit (every 32 steps), holds only while the ledger is not in
-debt by more than one idle slot-step. Where holds do not align (a closed loop whose client sends the next request a
-second after a response, to the rank with the free slot: measured on the real engine with an emulated graph penalty,
-the rule that trusted holds by default lost 7.8-10.1 %), one hold's loss stops them; the debt fades over a few
-thousand steps, then one hold tries again.
+at most two holds' saving ahead) and, deciding at each refit (every 32 steps), holds only while holds have saved more
+than one idle slot-step beyond what they cost. While it does not hold, it prices each hold it would have made
+(``_price_unheld``), from the same rows: that hold would have lasted until every rank then at its cap had left it, or
+its budget ran out, kept the requests of the ranks admitting then (their idle slots are its cost), and aligned if
+another rank had a request to admit by its end. So a first hold is made only once unheld steps show that holds would
+align, and after holds that lost, holds resume on that evidence only, not as the debt fades. Where holds do not align
+(a closed loop whose client sends the next request a second after a response, to the rank with the free slot:
+measured on the real engine with an emulated graph penalty, the rule that trusted holds by default lost 7.8-10.1 %,
+and the ledger that trusted the first hold and retried as its debt faded -5.3 % in one run, its tries the worst
+pairs), none is made.
 
 Every cost is measured, from values every rank gathers each step (``ROW``), so every rank computes the same numbers:
 the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on (1, any
@@ -70,6 +75,7 @@ ROW = ("count", "admissible", "prefill_tokens", "step_us")
 # Each field's slice of the gathered rows, read flat (rank by rank): every rank's value of that field.
 COLUMNS = tuple(slice(field, None, len(ROW)) for field in range(len(ROW)))
 _FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER, _SURE = 1 - 1 / 1024, 32, 64, 1 / 8, 2.0
+_NO_HOLD: tuple[frozenset[int], frozenset[int], int, float, bool] = (frozenset(), frozenset(), 0, 0.0, False)
 
 
 def rank_row(count: int, waiting: int, cap: int, step: tuple[int, int]) -> list[int]:
@@ -97,9 +103,9 @@ class AdaptiveHold:
         # after step), written in place: a step allocates nothing and calls no numpy (cold, tens of us in a step).
         self.moments, self.fresh = np.zeros((6, 6)), memoryview(np.zeros(_REFIT_EVERY * ranks * len(ROW), np.int32))
         # The fit's figures; one idle slot-step at full load (every rank at its cap), the least worth holding for; the
-        # hold's cost so far, and the ledger of holds: what they saved less what they cost.
+        # hold's cost so far, the ledger of holds (what they saved less what they cost) and the hold priced unheld.
         self.steps, self.decode_s, self.penalty_s, self.error_s = 0, 0.0, 0.0, 0.0
-        self.saving_s, self.slot_s, self.held_s, self.credit_s = 0.0, 0.0, 0.0, 0.0
+        self.saving_s, self.slot_s, self.held_s, self.credit_s, self.unheld = 0.0, 0.0, 0.0, 0.0, _NO_HOLD
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
     def update(self, rows: memoryview, cap: int) -> bool:
@@ -123,7 +129,28 @@ class AdaptiveHold:
         # ranks admit at once. The ledger keeps at most two holds' saving ahead, so holds that stop aligning stop soon.
         saved_s = self.saving_s * (sum(admissible) > max(admissible)) if self.held_s else 0.0
         self.credit_s, self.held_s = min(self.credit_s + saved_s - self.held_s, 2 * self.saving_s), 0.0
+        if not self.holding and self.saving_s > self.slot_s:
+            self._price_unheld(counts, admissible, cap)
         return False
+
+    def _price_unheld(self, counts: memoryview, admissible: memoryview, cap: int) -> None:
+        """Not holding, where a hold would save: price the hold that would have started here into the same ledger.
+        It would have lasted until every rank then at its cap (``full``) had left it, kept the requests of the ranks
+        admitting then (``starters``; unheld, they admit and fill their slots) and aligned them if another rank had a
+        request to admit by its end; past its budget it would have expired."""
+        full, starters, admits, cost_s, aligned = self.unheld
+        if not full:  # none in flight: one starts where a hold would
+            if max(counts) >= cap and (admits := sum(admissible)):
+                full = frozenset(r for r, c in enumerate(counts) if c >= cap)
+                starters = frozenset(r for r, n in enumerate(admissible) if n)
+                self.unheld = (full, starters, admits, 0.0, len(starters) > 1)
+            return
+        aligned = aligned or any(admissible) and any(n for r, n in enumerate(admissible) if r not in starters)
+        cost_s = min(cost_s + self.decode_s * max(admits / max(sum(counts), 1), _STRAGGLER), self.saving_s)
+        self.unheld = (full := frozenset(r for r in full if counts[r] >= cap), starters, admits, cost_s, aligned)
+        if not full or cost_s >= self.saving_s:  # it ends: its full ranks left their cap, or its budget ran out
+            self.credit_s = min(self.credit_s + self.saving_s * aligned - cost_s, 2 * self.saving_s)
+            self.unheld = _NO_HOLD
 
     def _refit(self, full: int) -> None:
         # The steps since the last refit fold in at once, each faded as if folded in its turn (the newest weighs 1).
@@ -146,11 +173,11 @@ class AdaptiveHold:
         self.penalty_s, self.error_s = float(coef[1]), _SURE * (variance * float(inverse[1, 1])) ** 0.5
         self.decode_s = max((m[0][5] - m[1][5]) / (m[0][0] - m[1][1]), 1e-6)  # the mean step without a prefill
         self.saving_s, self.slot_s = max(self.penalty_s - self.error_s - self.decode_s, 0.0), self.decode_s / full
-        # Hold for a saving above one idle slot-step, while holds have not lost more than that.
-        if (holding := self.saving_s > self.slot_s > -self.credit_s) != self.holding:
+        # Hold for a saving above one idle slot-step, once holds have saved that much beyond what they cost.
+        if (holding := min(self.saving_s, self.credit_s) > self.slot_s) != self.holding:
             logger.info("Balance scheduling (adaptive gate): %s; a step with a prefill on any DP rank costs every rank "
-                        "%.1f ms (+- %.1f) more than one without (%.1f ms), so a hold saves at most %.1f ms; recent "
-                        "holds saved %.1f ms more than they cost.", "holds admissions while a rank is at its cap, "
-                        "for at most that cost" if holding else "admits without waiting", self.penalty_s * 1e3,
+                        "%.1f ms (+- %.1f) more than one without (%.1f ms), so a hold saves at most %.1f ms; holds made"
+                        " or priced lately saved %.1f ms more than they cost.", "holds admissions while a rank is at"
+                        " its cap, up to that cost" if holding else "admits without waiting", self.penalty_s * 1e3,
                         self.error_s * 1e3, self.decode_s * 1e3, self.saving_s * 1e3, self.credit_s * 1e3)  # fmt: skip
-            self.holding = holding
+            self.holding, self.unheld = holding, _NO_HOLD  # a hold priced before holding would be stale after

@@ -200,11 +200,8 @@ def schedule_shape(schedule_source: str, module_source: str, where: str = "sched
     admissions = _calls(tree, "self.running.append") + [
         n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in _TAKES_WAITING
     ]
-    problems = [
-        f"{where}: admission outside the UNPAUSED guard and the held cap at line {n.lineno}: {ast.unparse(n)}"
-        for n in admissions
-        if not guarded(n)
-    ]
+    outside = "admission outside the UNPAUSED guard and the held cap"
+    problems = [f"{where}: {outside} at line {n.lineno}: {ast.unparse(n)}" for n in admissions if not guarded(n)]
     # Any other use of the state (stored, passed on, compared with PAUSED_NEW...) could give PAUSED_NEW a meaning
     # beyond "admit nothing new".
     problems += [
@@ -242,12 +239,8 @@ def schedule_seam(scheduler_cls: type, skip: tuple[type, ...] = ()) -> ScheduleS
         if shape.admissions or shape.problems:
             return shape
         if not shape.delegates_to_super:
-            return shape._replace(
-                problems=[
-                    f"{klass.__qualname__}.schedule admits no waiting request and does not call super().schedule(): "
-                    "the admission code moved and the seam cannot be verified"
-                ]
-            )
+            moved = "admits no waiting request and does not call super().schedule(): the admission code moved"
+            return shape._replace(problems=[f"{klass.__qualname__}.schedule {moved} and the seam cannot be verified"])
     return ScheduleShape(0, False, [f"{scheduler_cls.__qualname__} has no schedule() implementation"])
 
 

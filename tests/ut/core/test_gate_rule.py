@@ -64,6 +64,21 @@ def group_steps(
         assert decide(hold, rows) is False  # no rank at its cap: never closed
 
 
+def aligned_unheld(hold: AdaptiveHold, cap: int = CAP, seed: int = 0) -> None:
+    """Evidence that holds align, from steps it does not hold: rank 1 admits alone while rank 0 is at its cap, and
+    rank 0 leaves its cap with a request of its own waiting two steps later (a hold would have admitted both at once).
+    Then a refit, where the rule decides."""
+    assert not hold.holding
+    alone, both_full, partner = (
+        [[cap, 0, 0, 0], [cap - 1, 1, 0, 0]],
+        [[cap, 0, 0, 0]] * 2,
+        [[cap - 1, 1, 0, 0], [cap, 0, 0, 0]],
+    )
+    for rows in (alone, both_full, partner):
+        assert decide(hold, rows, cap) is False
+    group_steps(hold, 32, penalty_ms=150.0, seed=seed)
+
+
 def test_gate_rule_default_env_and_config(tiny_moe_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(RULE_ENV, raising=False)
     assert gate_rule(make_vllm_config(tiny_moe_model)) == "adaptive"
@@ -82,9 +97,13 @@ def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog:
         group_steps(hold, 600, penalty_ms=150.0)
     assert hold.penalty_s * 1e3 == pytest.approx(150.0, rel=0.1)
     assert hold.decode_s * 1e3 == pytest.approx(DECODE_MS, rel=0.1)
+    assert not hold.holding  # worth holding, but nothing shows yet that holds would align
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        aligned_unheld(hold)
     assert hold.holding
     decisions = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()]
-    assert len(decisions) == 1 and "holds admissions while a rank is at its cap" in decisions[0]
+    assert len(decisions) == 2 and "admits without waiting" in decisions[0]
+    assert "holds admissions while a rank is at its cap" in decisions[1]
     # Nothing to admit (no request waiting on a free slot): holding costs nothing, the gate stays closed.
     assert all(decide(hold, [[CAP, 3, 0, 0], [CAP - 1, 0, 0, 0]]) for _ in range(300))
     assert decide(hold, [[CAP - 1, 0, 0, 0], [CAP - 1, 2, 0, 0]]) is False  # no rank at its cap
@@ -92,9 +111,11 @@ def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog:
     full = [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]
     cost_s = hold.decode_s / (2 * CAP - 1)
     # The first hold: the idle slot-steps worth the whole saving. It expired with one rank admitting (the full rank
-    # never left its cap): it saved nothing, and the ledger is in debt. From the next refit on, no hold.
+    # never left its cap): it saved nothing, and cost more than the one aligned unheld. From the next refit on, no hold.
+    credit_s = hold.credit_s
     assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / cost_s)]
-    assert hold.credit_s == pytest.approx(-int(hold.saving_s / cost_s) * cost_s) and hold.holding
+    assert hold.credit_s == pytest.approx(credit_s - int(hold.saving_s / cost_s) * cost_s)
+    assert hold.credit_s < hold.slot_s and hold.holding
     group_steps(hold, 32, penalty_ms=150.0, seed=1)
     assert not hold.holding and _hold_lengths(hold, full, None, 1) == [0]
 
@@ -122,7 +143,7 @@ def test_a_fixed_extra_the_fit_is_not_sure_of_is_not_held_for(caplog: pytest.Log
     caplog.clear()  # the sure fit's decision (vLLM's logger may already log INFO)
     with caplog.at_level(logging.INFO, logger="vllm"):
         group_steps(unsure, 64, penalty_ms=60.0, noise=0.9, prompts=(1024, 2048))
-    assert sure.holding and sure.saving_s * 1e3 == pytest.approx(60.0 - DECODE_MS, abs=5.0)
+    assert sure.saving_s * 1e3 == pytest.approx(60.0 - DECODE_MS, abs=5.0)
     assert unsure.penalty_s > unsure.decode_s and not unsure.holding and unsure.saving_s == 0.0
     (decision,) = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()]
     assert "admits without waiting" in decision and "so a hold saves at most 0.0 ms" in decision
@@ -142,9 +163,9 @@ def test_rounding_does_not_decide_a_fit_of_collinear_steps() -> None:
             if index == 63:  # the last step before the fit: its sums, as another summation order would leave them
                 hold.moments *= 1 + twist
             decide(hold, [[CAP - 1, 0, chunk, int(ms * 1000)]] * DP)
-        fits.append((hold.penalty_s, hold.saving_s, hold.holding))
+        fits.append((hold.penalty_s, hold.saving_s, hold.saving_s > hold.slot_s))  # worth holding
     # The residual of an exact fit is still rounding, but small: the error it adds moves the saving by under 2 %.
-    assert [(round(penalty, 6), holding) for penalty, _, holding in fits] == [(0.699961, True)] * 3
+    assert [(round(penalty, 6), worth) for penalty, _, worth in fits] == [(0.699961, True)] * 3
     assert all(saving == pytest.approx(0.61, abs=0.01) for _, saving, _ in fits), fits
 
 
@@ -155,6 +176,7 @@ def test_a_held_step_costs_at_least_an_eighth_of_a_step_while_a_request_waits() 
     cap, one, many = 32, AdaptiveHold(DP), AdaptiveHold(DP)  # one per hold (the first's loss would stop the second)
     for hold in (one, many):
         group_steps(hold, 600, penalty_ms=150.0)
+        aligned_unheld(hold, cap)
         assert hold.holding
     one_waiting = [[cap, 0, 0, 0], [cap - 1, 1, 0, 0]]  # 1 idle slot of 63 running: 1/63 of a step
     assert _hold_lengths(one, one_waiting, None, 1, cap) == [int(8 * one.saving_s / one.decode_s)]
@@ -169,6 +191,7 @@ def test_without_a_fixed_cost_it_never_holds_and_logs_each_change_of_mind(caplog
         assert hold.penalty_s * 1e3 < 1.0 and not hold.holding
         assert not any(decide(hold, [[CAP, 3, 0, 0], [CAP - 1, 1, 0, 0]]) for _ in range(50))
         group_steps(hold, 3000, penalty_ms=150.0, seed=1)  # the engine changed: old steps fade out
+        aligned_unheld(hold)
         assert hold.holding
         group_steps(hold, 6000, penalty_ms=0.0, seed=2)
         assert not hold.holding
@@ -196,35 +219,68 @@ def _hold_lengths(
     return lengths
 
 
-def test_a_hold_that_does_not_align_stops_holds_until_its_loss_fades(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_hold_that_does_not_align_stops_holds_until_unheld_steps_show_they_would(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The full rank has no request of its own waiting when it leaves its cap (the router sent it to the rank with
-    the free slot): the hold saved nothing and cost its held steps. Holds stop until that debt fades to one idle
-    slot-step, then one is tried again."""
+    the free slot): the hold saved nothing and cost its held steps. Holds stop; the steps that follow are priced as
+    holds that were not made, and holds resume once those would have aligned."""
     hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
+    aligned_unheld(hold)
     full, alone = [[CAP, 0, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP - 1, 0, 0, 0], [CAP - 1, 1, 0, 0]]
     with caplog.at_level(logging.INFO, logger="vllm"):
-        assert _hold_lengths(hold, full, alone, 1) == [3]
-        assert hold.credit_s == pytest.approx(-3 * hold.decode_s / (2 * CAP - 1))
-        group_steps(hold, 1024, penalty_ms=150.0, seed=3)  # the debt fades, to 1/e: still more than a slot-step
-        assert not hold.holding
-        group_steps(hold, 1024, penalty_ms=150.0, seed=4)
-        assert hold.holding and -hold.slot_s < hold.credit_s < 0
-    # The decisions: it stopped, naming the holds' loss, then (that loss faded) tried again.
-    stopped, retried = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()][-2:]
-    assert "admits without waiting" in stopped and "; recent holds saved -8.6 ms more than they cost." in stopped
-    assert "holds admissions" in retried
+        assert _hold_lengths(hold, full, None, 1) == [int(hold.saving_s / (hold.decode_s / (2 * CAP - 1)))]
+        group_steps(hold, 32, penalty_ms=150.0, seed=3)
+        assert not hold.holding and hold.credit_s < 0
+        # Unheld: rank 1 admits alone, rank 0 leaves its cap with nothing to admit. A hold would not have aligned;
+        # it would have cost one step of one request kept from 6 running.
+        credit_s = hold.credit_s
+        for rows in (full, alone):
+            assert decide(hold, rows) is False
+        assert hold.credit_s == pytest.approx(credit_s - hold.decode_s / (2 * CAP - 2))
+        group_steps(hold, 2048, penalty_ms=150.0, seed=4)  # the debt fades, but fading is no evidence
+        assert not hold.holding and -hold.slot_s < hold.credit_s < 0
+        aligned_unheld(hold, seed=5)
+        assert hold.holding
+    # The decisions: it stopped, naming the holds' loss, then (a hold would have aligned) held again.
+    stopped, resumed = [r.getMessage() for r in caplog.records if "adaptive gate" in r.getMessage()][-2:]
+    assert "admits without waiting" in stopped and "more than they cost." in stopped
+    assert "holds admissions" in resumed
 
 
-def test_holds_that_align_keep_holding_and_three_that_do_not_stop_them() -> None:
-    """When the full rank leaves its cap with a request of its own waiting, both ranks admit in the same step: the
-    hold did what it is for. The ledger keeps at most two holds' saving: after three holds that expire, no hold."""
+def test_unheld_steps_price_each_hold_that_was_not_made() -> None:
+    """Where a hold would save but holds have not shown they align, the rule holds none and prices each one it would
+    have made from the steps as they ran: it ends where a hold would (every rank then at its cap has left it, or its
+    budget ran out), aligned if another rank than those it would have kept had a request to admit by then."""
     hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
+    cost_s = hold.decode_s / (2 * CAP - 1)  # one request kept from 7 running, as a hold prices it
+    full, both_full = [[CAP, 0, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP, 0, 0, 0], [CAP, 0, 0, 0]]
+    # Rank 0 stays at its cap: the budget runs out, the whole saving is lost (a closed loop whose ranks fill at once).
+    assert decide(hold, full) is False
+    assert not any(decide(hold, both_full) for _ in range(200))
+    assert hold.credit_s == pytest.approx(-hold.saving_s)
+    # Rank 1's own next request is no partner; rank 0's, once it left its cap, is.
+    credit_s = hold.credit_s
+    for rows in (full, full, [[CAP - 1, 1, 0, 0], [CAP, 0, 0, 0]]):
+        assert decide(hold, rows) is False
+    assert hold.credit_s == pytest.approx(credit_s + hold.saving_s - 2 * cost_s)
+    assert not hold.holding  # decided at the next refit
+    group_steps(hold, 32, penalty_ms=150.0, seed=6)
+    assert not hold.holding  # still in debt: one aligned hold does not pay for one that expired
+
+
+def test_holds_that_align_keep_holding_and_two_that_do_not_stop_them() -> None:
+    """When the full rank leaves its cap with a request of its own waiting, both ranks admit in the same step: the
+    hold did what it is for. The ledger keeps at most two holds' saving: after two holds that expire, no hold."""
+    hold = AdaptiveHold(DP)
+    group_steps(hold, 600, penalty_ms=150.0)
+    aligned_unheld(hold)
     full, together = [[CAP, 1, 0, 0], [CAP - 1, 1, 0, 0]], [[CAP - 1, 1, 0, 0], [CAP - 1, 1, 0, 0]]
     assert _hold_lengths(hold, full, together, 20) == [3] * 20 and hold.credit_s == 2 * hold.saving_s
     budget = int(hold.saving_s / (hold.decode_s / (2 * CAP - 1)))
-    for held in (budget, budget, budget, 0):
+    for held in (budget, budget, 0):
         assert _hold_lengths(hold, full, None, 1) == [held]
         group_steps(hold, 32, penalty_ms=150.0, seed=held)  # a refit: it decides again
 
@@ -247,6 +303,7 @@ def test_every_rank_decides_the_same_from_the_same_rows() -> None:
     ranks = [AdaptiveHold(DP) for _ in range(DP)]
     for hold in ranks:
         group_steps(hold, 400, penalty_ms=80.0)
+        aligned_unheld(hold)
     rows = [[CAP, 2, 0, 0], [CAP - 2, 3, 0, 0]]
     assert len({tuple(decide(hold, rows) for _ in range(40)) for hold in ranks}) == 1
     assert len({(hold.penalty_s, hold.saving_s, hold.decode_s, hold.held_s, hold.credit_s) for hold in ranks}) == 1

@@ -88,7 +88,7 @@ def _rank_main(
                 scheduler.balance_gather(core.dp_group)
             if rule_steps:
                 hold = scheduler._balance_hold
-                outcome["rule"] = [hold.penalty_s, hold.decode_s, hold.holding, hold.steps]
+                outcome["rule"] = [hold.penalty_s, hold.decode_s, hold.saving_s > hold.slot_s, hold.steps]
         outcome["unfinished"] = ParallelConfig.has_unfinished_dp(core.dp_group, True)
     except BaseException as error:  # noqa: BLE001 - reported to the test
         outcome["error"] = f"{type(error).__name__}: {error}"
@@ -167,8 +167,8 @@ def test_the_adaptive_rule_learns_the_same_on_every_rank(
     outcomes, _ = run_group(configs(3), set(), tmp_path, rule_steps=200)
     assert all("error" not in outcome for outcome in outcomes), outcomes
     assert len({json.dumps(outcome["rule"]) for outcome in outcomes}) == 1, [o["rule"] for o in outcomes]
-    penalty_s, decode_s, holding, steps = outcomes[0]["rule"]
-    assert steps == 200 and holding and penalty_s == pytest.approx(0.1, rel=0.1), outcomes[0]["rule"]
+    penalty_s, decode_s, worth_holding, steps = outcomes[0]["rule"]
+    assert steps == 200 and worth_holding and penalty_s == pytest.approx(0.1, rel=0.1), outcomes[0]["rule"]
 
 
 @pytest.mark.parametrize("dp, stock_rank", [(2, 1), (3, 0)])

@@ -81,12 +81,8 @@ _vllm_run_engine_core: Callable[..., Any] | None = None
 
 def balance_scheduling_flag() -> bool:
     """``VLLM_ASCEND_BALANCE_SCHEDULING`` alone: "1" on, "0" or unset off, anything else an error."""
-    raw = os.environ.get(BALANCE_SCHEDULING_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ValueError(
-            f"{BALANCE_SCHEDULING_ENV}={raw!r} is not valid: accepted values are '1' (balance scheduling on) "
-            "and '0' or unset (off)."
-        )
+    if (raw := os.environ.get(BALANCE_SCHEDULING_ENV, "0")) not in ("0", "1"):
+        raise ValueError(f"{BALANCE_SCHEDULING_ENV}={raw!r} is not valid: accepted values are '1' (on), '0' or unset.")
     return raw == "1"
 
 
@@ -99,10 +95,7 @@ def switches(vllm_config: VllmConfig) -> list[tuple[str, bool]]:
         if isinstance(holder, Mapping) and BALANCE_SCHEDULING_CONFIG_KEY in holder:
             value = holder[BALANCE_SCHEDULING_CONFIG_KEY]
             if not isinstance(value, bool):
-                raise ValueError(
-                    f"{label}={value!r} is not valid: accepted values are true and false (JSON booleans), e.g. "
-                    f"{SWITCH_EXAMPLE}."
-                )
+                raise ValueError(f"{label}={value!r} is not valid: true or false (JSON), e.g. {SWITCH_EXAMPLE}.")
             found.append((f"{label}={value}", value))
     if BALANCE_SCHEDULING_ENV in os.environ:
         found.append((f"{BALANCE_SCHEDULING_ENV}={os.environ[BALANCE_SCHEDULING_ENV]}", balance_scheduling_flag()))
@@ -172,11 +165,8 @@ def _refuse_unsupported(vllm_config: VllmConfig, source: str | None) -> None:
         (vllm_config.kv_transfer_config is not None and kv_role != "kv_both", f"kv_role={kv_role!r} (PD-disaggregated"
          " serving)", "only PD-mixed serving (no kv_transfer_config, or kv_role='kv_both') steps in lockstep"),
     )  # fmt: skip
-    if found := next(((setting, why) for present, setting, why in refused if present), None):
-        setting, why = found
-        raise ValueError(
-            f"Balance scheduling ({source}) does not support {setting}: {why}. Change it or {SWITCHES_OFF}."
-        )
+    for what, why in [(setting, why) for present, setting, why in refused if present][:1]:
+        raise ValueError(f"Balance scheduling ({source}) does not support {what}: {why}. Change it or {SWITCHES_OFF}.")
 
 
 # ---- the wrappers -------------------------------------------------------------------------------------------------
