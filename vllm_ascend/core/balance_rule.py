@@ -136,8 +136,8 @@ class AdaptiveHold:
     def _price_unheld(self, counts: memoryview, admissible: memoryview, cap: int) -> None:
         """Not holding, where a hold would save: price the hold that would have started here into the same ledger.
         It would have lasted until every rank then at its cap (``full``) had left it, kept the requests of the ranks
-        admitting then (``starters``; unheld, they admit and fill their slots) and aligned them if another rank had a
-        request to admit by its end; past its budget it would have expired."""
+        admitting then (``starters``; unheld, they admit and fill their slots), and aligned them if another rank had a
+        request to admit before it ended (as a made hold ends: its full ranks left their cap, or its budget ran out)."""
         full, starters, admits, cost_s, aligned = self.unheld
         if not full:  # none in flight: one starts where a hold would
             if max(counts) >= cap and (admits := sum(admissible)):
