@@ -103,7 +103,7 @@ def test_nested_key_wins_over_the_top_level_key_over_the_env(
 @pytest.mark.parametrize("value", ["true", 1, None])
 def test_non_boolean_nested_value_is_a_clear_error(balance_env_unset: None, config: Any, value: Any) -> None:
     config.additional_config = {"scheduler_config": {BALANCE_SCHEDULING_CONFIG_KEY: value}}
-    with pytest.raises(ValueError, match=r"\['scheduler_config'\]\['enable_balance_scheduling'\].*true and false"):
+    with pytest.raises(ValueError, match=r"\['scheduler_config'\]\['enable_balance_scheduling'\].*true or false"):
         decide(config)
 
 
@@ -176,7 +176,7 @@ def test_other_additional_config_keys_say_nothing(monkeypatch: pytest.MonkeyPatc
 def test_non_boolean_config_value_is_a_clear_error(balance_env_unset: None, config: Any, value: Any) -> None:
     # vllm-ascend reads bool(value): the string "false" would silently turn it on there.
     with_switch(config, value)
-    with pytest.raises(ValueError, match=r"enable_balance_scheduling.*true and false"):
+    with pytest.raises(ValueError, match=r"enable_balance_scheduling.*true or false"):
         decide(config)
 
 
