@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -94,6 +95,24 @@ def test_each_arm_decides_the_gate_its_own_way(
     assert scheduler.balance_gate_closed() is closed
     # Only the adaptive arm moves the adaptive rule's state (it has not fitted yet, so it does not hold).
     assert scheduler._balance_hold is hold and hold.steps == observed
+
+
+def test_a_rank_that_schedules_nothing_switches_its_arm_at_the_gather(
+    step_trace: ModuleType, tiny_moe_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank without requests runs dummy batches and never calls ``schedule()``, but it gathers: the arm the bench
+    wrote between runs must be in force at its next gather, or the ranks' adaptive states drift apart."""
+    monkeypatch.delenv(RULE_ENV, raising=False)
+    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
+    step_trace._state["engine"] = None
+    arm_file = tmp_path / "arm.json"
+    arm_file.write_text(json.dumps(step_trace.same_server_arm("off")))
+    assert step_trace._read_arm()["gate"] == "off"  # the previous run's arm, read at a schedule()
+    arm_file.write_text(json.dumps(step_trace.same_server_arm("balance")))
+    os.utime(arm_file, ns=(1, step_trace._state["arm_mtime"] + 1))  # a new modification time, however coarse the clock
+    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 0, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
+    step_trace._armed_update(BalanceSchedulingMixin.balance_update)(scheduler)
+    assert scheduler._balance_hold.steps == 1  # learned from this gather: the adaptive arm, no schedule() between
 
 
 def test_emulated_graph_mode_delays_a_forward_with_a_prefill_only(

@@ -20,12 +20,12 @@ collective (DP x EP steps in lockstep), so every rank pays it, as there. The pen
 the scheduling and the timing around it are the real engine's.
 
 With ``BALANCE_ARM_FILE`` also set (the bench's ``--same-server``), one balanced server runs every arm in turn: the
-file holds ``{"arm": name, "gate": "off" | "adaptive" | "cap", "interval": N}``, re-read at each ``schedule()`` once
-it changes (the bench writes it while the engines are idle). ``gate`` ``off`` leaves the gate open (the gather still
-runs), ``cap`` decides with upstream's rule while the adaptive rule's state waits untouched, and ``interval`` is
-vLLM's ``--prefill-schedule-interval``. Every record then carries ``arm``, so the bench can check each run ran under
-its arm alone. Two servers of one configuration ran identical batches up to 25 % apart (stop 32): arms on one server
-are compared without that.
+file holds ``{"arm": name, "gate": "off" | "adaptive" | "cap", "interval": N}``, re-read at each ``schedule()`` and
+each gather once it changes (the bench writes it while the engines are idle). ``gate`` ``off`` leaves the gate open
+(the gather still runs), ``cap`` decides with upstream's rule while the adaptive rule's state waits untouched, and
+``interval`` is vLLM's ``--prefill-schedule-interval``. Every record then carries ``arm``, so the bench can check
+each run ran under its arm alone. Two servers of one configuration ran identical batches up to 25 % apart (stop 32):
+arms on one server are compared without that.
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def _read_arm() -> dict[str, Any] | None:
 def _armed_update(update: Any) -> Any:
     @functools.wraps(update)
     def armed(self: Any) -> None:
-        gate = (_state["arm"] or {"gate": "adaptive"})["gate"]
+        # Re-read here, at the gather, not only at schedule(): a rank without requests runs dummy batches and
+        # schedules nothing, so read at schedule() alone one rank switched its rule a few gathers before the other
+        # and their adaptive states drifted apart (stop 42: fits 1 % apart in one run).
+        gate = (_read_arm() or {"gate": "adaptive"})["gate"]
         if gate == "off":
             self._balance_closed = False
             return
