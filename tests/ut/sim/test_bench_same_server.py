@@ -58,6 +58,16 @@ def step_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+def balanced_scheduler(model: Path) -> BalanceScheduler:
+    return build_scheduler(BalanceScheduler, make_vllm_config(model, max_num_seqs=CAP, dp_size=2))
+
+
+def gathered_a_rank_at_its_cap(scheduler: BalanceScheduler) -> None:
+    """Rank 0 at its cap, rank 1 with a free slot that would admit a waiting request; each reports a finished 20 ms
+    step (the rows a gather leaves)."""
+    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 0, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
+
+
 def test_bench_arms_map_to_a_gate_and_an_interval(step_trace: ModuleType) -> None:
     arms = ("off", "off-b", "balance", "cap", "interval2", "balance+interval2")
     settings = {arm: step_trace.same_server_arm(arm) for arm in arms}
@@ -81,15 +91,14 @@ def test_each_arm_decides_the_gate_its_own_way(
     observed: int,
 ) -> None:
     monkeypatch.delenv(RULE_ENV, raising=False)  # the server's rule: the default, adaptive
-    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
+    scheduler = balanced_scheduler(tiny_moe_model)
     hold = scheduler._balance_hold
     engine = SimpleNamespace(prefill_schedule_interval=1)
     step_trace._state["engine"] = engine
     (tmp_path / "arm.json").write_text(json.dumps(step_trace.same_server_arm(arm)))
     assert step_trace._read_arm()["arm"] == arm
     assert engine.prefill_schedule_interval == (2 if "interval2" in arm else 1)
-    # Rank 0 at its cap, rank 1 with a free slot that would admit a waiting request; each reports a finished 20 ms step.
-    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 0, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
+    gathered_a_rank_at_its_cap(scheduler)
     scheduler._balance_closed = not closed
     step_trace._armed_update(BalanceSchedulingMixin.balance_update)(scheduler)
     assert scheduler.balance_gate_closed() is closed
@@ -103,14 +112,14 @@ def test_a_rank_that_schedules_nothing_switches_its_arm_at_the_gather(
     """A rank without requests runs dummy batches and never calls ``schedule()``, but it gathers: the arm the bench
     wrote between runs must be in force at its next gather, or the ranks' adaptive states drift apart."""
     monkeypatch.delenv(RULE_ENV, raising=False)
-    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
+    scheduler = balanced_scheduler(tiny_moe_model)
     step_trace._state["engine"] = None
     arm_file = tmp_path / "arm.json"
     arm_file.write_text(json.dumps(step_trace.same_server_arm("off")))
     assert step_trace._read_arm()["gate"] == "off"  # the previous run's arm, read at a schedule()
     arm_file.write_text(json.dumps(step_trace.same_server_arm("balance")))
     os.utime(arm_file, ns=(1, step_trace._state["arm_mtime"] + 1))  # a new modification time, however coarse the clock
-    scheduler._balance_rows[:] = scheduler._balance_rows.new_tensor([[CAP, 0, 0, 20_000], [CAP - 1, 1, 0, 20_000]])
+    gathered_a_rank_at_its_cap(scheduler)
     step_trace._armed_update(BalanceSchedulingMixin.balance_update)(scheduler)
     assert scheduler._balance_hold.steps == 1  # learned from this gather: the adaptive arm, no schedule() between
 
@@ -122,7 +131,7 @@ def test_emulated_graph_mode_delays_a_forward_with_a_prefill_only(
     slept: list[float] = []
     monkeypatch.setattr(step_trace.time, "sleep", slept.append)
     forward = step_trace._penalised_forward(lambda runner, output: output.total_num_scheduled_tokens, 0.07)
-    scheduler = build_scheduler(BalanceScheduler, make_vllm_config(tiny_moe_model, max_num_seqs=CAP, dp_size=2))
+    scheduler = balanced_scheduler(tiny_moe_model)
     scheduler.add_request(make_request("a", 12, 4))
     prefill = scheduler.schedule()
     assert forward(None, prefill) == 12 and slept == [0.07]
