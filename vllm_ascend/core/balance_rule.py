@@ -86,8 +86,7 @@ def rank_row(count: int, waiting: int, cap: int, step: tuple[int, int]) -> list[
 def gate_rule(vllm_config: VllmConfig) -> str:
     """``additional_config['scheduler_config']['balance_gate_rule']``, else ``VLLM_ASCEND_BALANCE_GATE_RULE``, else
     ``adaptive``; anything but a known rule is an error."""
-    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, Mapping) else {}
-    nested = additional.get("scheduler_config")
+    nested = (extra if isinstance(extra := vllm_config.additional_config, Mapping) else {}).get("scheduler_config")
     rule = (nested if isinstance(nested, Mapping) else {}).get(RULE_KEY, os.environ.get(RULE_ENV, "adaptive"))
     if rule not in RULES:
         raise ValueError(f"Balance gate rule {rule!r} ({RULE_KEY} or {RULE_ENV}) is not valid: one of {RULES}.")
@@ -120,9 +119,7 @@ class AdaptiveHold:
             if self.steps % _REFIT_EVERY == 0:
                 self._refit(len(counts) * cap)
         if self.holding and max(counts) >= cap:  # not holding: no reduction over the ranks
-            # One more held step costs the requests it keeps from free slots, at least _STRAGGLER of it (a straggler).
-            cost_s = self.decode_s * max((admits := sum(admissible)) / max(sum(counts), 1), _STRAGGLER * bool(admits))
-            if self.held_s + cost_s <= self.saving_s:
+            if self.held_s + (cost_s := self._held_step_s(sum(admissible), counts)) <= self.saving_s:
                 self.held_s += cost_s
                 return True
         # A hold ends as its rank leaves the cap, or expires past its budget (admit now): it saved if two or more
@@ -132,6 +129,11 @@ class AdaptiveHold:
         if not self.holding and self.saving_s > self.slot_s:
             self._price_unheld(counts, admissible, cap)
         return False
+
+    def _held_step_s(self, admits: int, counts: memoryview) -> float:
+        """One more held step (made or priced unheld) costs the requests it keeps from free slots, their share of a
+        decode step, but at least ``_STRAGGLER`` of one while any is kept (a straggler)."""
+        return self.decode_s * max(admits / max(sum(counts), 1), _STRAGGLER * bool(admits))
 
     def _price_unheld(self, counts: memoryview, admissible: memoryview, cap: int) -> None:
         """Not holding, where a hold would save: price the hold that would have started here into the same ledger.
@@ -146,7 +148,7 @@ class AdaptiveHold:
                 self.unheld = (full, starters, admits, 0.0, len(starters) > 1)
             return
         aligned = aligned or any(admissible) and any(n for r, n in enumerate(admissible) if r not in starters)
-        cost_s = min(cost_s + self.decode_s * max(admits / max(sum(counts), 1), _STRAGGLER), self.saving_s)
+        cost_s = min(cost_s + self._held_step_s(admits, counts), self.saving_s)
         self.unheld = (full := frozenset(r for r in full if counts[r] >= cap), starters, admits, cost_s, aligned)
         if not full or cost_s >= self.saving_s:  # it ends: its full ranks left their cap, or its budget ran out
             self.credit_s = min(self.credit_s + self.saving_s * aligned - cost_s, 2 * self.saving_s)
