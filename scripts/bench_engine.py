@@ -406,7 +406,7 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
             rows = [
                 [r["running"], r["waiting"], r["prefill_tokens"], int(r["dt"] * 1e6)] for _, r in sorted(ranks.items())
             ]
-            hold.update(gathered(rows, run["max_num_seqs"]), run["max_num_seqs"])
+            hold.update(gathered(rows), run["max_num_seqs"])
             holding += bool(hold.holding)
         lines.append(
             f"{run['regime']} {run['arm']} rep {run['rep']}: holding in {holding} of {len(steps)} steps; fixed extra "

@@ -258,12 +258,10 @@ def fake_model_output(scheduler: Any, scheduler_output: Any, token_id: int = 5) 
     return runner_output(req_ids, [[] if scheduler.requests[r].is_prefill_chunk else [token_id] for r in req_ids])
 
 
-def gathered(rows: Sequence[Sequence[int]], cap: int) -> memoryview:
+def gathered(rows: Sequence[Sequence[int]]) -> memoryview:
     """What the gather leaves for ranks given as (count, waiting requests, prefill tokens, step us), as the adaptive
-    rule reads it: their ``rank_row``s, rank after rank, flat int32."""
-    from vllm_ascend.core.balance_rule import rank_row
-
-    return memoryview(array.array("i", [v for n, waiting, p, us in rows for v in rank_row(n, waiting, cap, (p, us))]))
+    rule reads it: their ``balance_rule.ROW``s, rank after rank, flat int32."""
+    return memoryview(array.array("i", [v for row in rows for v in row]))
 
 
 def emulate_gather(schedulers: Sequence[Any], counts: Sequence[int] | None = None) -> None:

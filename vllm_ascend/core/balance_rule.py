@@ -49,7 +49,10 @@ align, and after holds that lost, holds resume on that evidence only, not as the
 (a closed loop whose client sends the next request a second after a response, to the rank with the free slot:
 measured on the real engine with an emulated graph penalty, the rule that trusted holds by default lost 7.8-10.1 %,
 and the ledger that trusted the first hold and retried as its debt faded -5.3 % in one run, its tries the worst
-pairs), none is made.
+pairs), none is made. Nor is one (made or priced) for a full rank without a request of its own waiting: it leaves its
+cap with nothing to admit, so the held rank admits alone, unless a request happens to reach the full rank just then
+(closed loop, 32 per rank, spread lengths, same penalty: holds priced as aligning by such chance arrivals were made,
+and those runs lost 6-14 % tok/s with TPOT up 18-62 %).
 
 Every cost is measured, from values every rank gathers each step (``ROW``), so every rank computes the same numbers:
 the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on (1, any
@@ -69,28 +72,37 @@ from vllm.config import VllmConfig
 from vllm.logger import logger
 
 RULE_ENV, RULE_KEY, RULES = "VLLM_ASCEND_BALANCE_GATE_RULE", "balance_gate_rule", ("adaptive", "cap")
-# What each rank contributes per step (``rank_row``): its balance_count, the waiting requests it would admit now, and
-# the step it just finished: prefill tokens and duration in microseconds (0: none finished since the last gather).
-ROW = ("count", "admissible", "prefill_tokens", "step_us")
+# What each rank contributes per step: its balance_count, its waiting requests, and the step it just finished: prefill
+# tokens and duration in microseconds (0: none finished since the last gather).
+ROW = ("count", "waiting", "prefill_tokens", "step_us")
 # Each field's slice of the gathered rows, read flat (rank by rank): every rank's value of that field.
 COLUMNS = tuple(slice(field, None, len(ROW)) for field in range(len(ROW)))
 _FADE, _REFIT_EVERY, _MIN_STEPS, _STRAGGLER, _SURE = 1 - 1 / 1024, 32, 64, 1 / 8, 2.0
 _NO_HOLD: tuple[frozenset[int], frozenset[int], int, float, bool] = (frozenset(), frozenset(), 0, 0.0, False)
 
 
-def rank_row(count: int, waiting: int, cap: int, step: tuple[int, int]) -> list[int]:
-    """One rank's ``ROW``: admissible is what its free slots would take of its waiting requests."""
-    return [count, max(min(cap - count, waiting), 0), *step]
+def option_mappings(vllm_config: VllmConfig) -> tuple[Mapping[str, object], Mapping[str, object]]:
+    """Where every balance scheduling option is read: ``additional_config['scheduler_config']`` and
+    ``additional_config``, most specific first, each ``{}`` where vLLM holds another object (plugins may)."""
+    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, Mapping) else {}
+    return (nested if isinstance(nested := additional.get("scheduler_config"), Mapping) else {}), additional
 
 
 def gate_rule(vllm_config: VllmConfig) -> str:
     """``additional_config['scheduler_config']['balance_gate_rule']``, else ``VLLM_ASCEND_BALANCE_GATE_RULE``, else
     ``adaptive``; anything but a known rule is an error."""
-    nested = (extra if isinstance(extra := vllm_config.additional_config, Mapping) else {}).get("scheduler_config")
-    rule = (nested if isinstance(nested, Mapping) else {}).get(RULE_KEY, os.environ.get(RULE_ENV, "adaptive"))
+    rule = str(option_mappings(vllm_config)[0].get(RULE_KEY, os.environ.get(RULE_ENV, "adaptive")))
     if rule not in RULES:
         raise ValueError(f"Balance gate rule {rule!r} ({RULE_KEY} or {RULE_ENV}) is not valid: one of {RULES}.")
     return rule
+
+
+def _aligns(counts: memoryview, waiting: memoryview, cap: int) -> bool:
+    """A hold can align only with a rank at its cap that has a request waiting, to admit as it leaves the cap. In a
+    closed loop the router sends the next request to the rank with free slots, so a full rank seldom has one
+    (measured, with an emulated graph penalty: holds for a full rank with none ended with the held rank admitting
+    alone)."""
+    return any(w for c, w in zip(counts, waiting) if c >= cap)
 
 
 class AdaptiveHold:
@@ -108,26 +120,28 @@ class AdaptiveHold:
         self.holding: bool | None = None  # None until the first fit, so that the first decision is logged too
 
     def update(self, rows: memoryview, cap: int) -> bool:
-        """Learn from the step the gathered ``rank_row``s report, then decide whether the gate is closed for the next
+        """Learn from the step the gathered ``ROW``s report, then decide whether the gate is closed for the next
         step. ``rows``: every rank's row, rank after rank (the gathered int32 buffer, flat). A step copies the rows for
         the next refit and reads only what decides (at DP 64 a maximum or sum over the ranks costs about 1 us)."""
-        counts, admissible = rows[COLUMNS[0]], rows[COLUMNS[1]]
+        counts, waiting = rows[COLUMNS[0]], rows[COLUMNS[1]]
         if any(rows[COLUMNS[3]]):  # a rank finished a step since the last gather
             self.fresh[(at := self.steps % _REFIT_EVERY * len(rows)) : at + len(rows)] = rows
             # The ledger fades as the fit's old steps do: after holds that lost, holds are tried again.
             self.steps, self.credit_s = self.steps + 1, self.credit_s * _FADE
             if self.steps % _REFIT_EVERY == 0:
                 self._refit(len(counts) * cap)
-        if self.holding and max(counts) >= cap:  # not holding: no reduction over the ranks
+        # What each rank's free slots would take of its waiting requests, read only where a hold can be made or priced.
+        admissible = [max(min(cap - c, w), 0) for c, w in zip(counts, waiting)] if self.saving_s > self.slot_s else []
+        if self.holding and _aligns(counts, waiting, cap):  # not holding: no reduction over the ranks
             if self.held_s + (cost_s := self._held_step_s(sum(admissible), counts)) <= self.saving_s:
                 self.held_s += cost_s
                 return True
         # A hold ends as its rank leaves the cap, or expires past its budget (admit now): it saved if two or more
         # ranks admit at once. The ledger keeps at most two holds' saving ahead, so holds that stop aligning stop soon.
-        saved_s = self.saving_s * (sum(admissible) > max(admissible)) if self.held_s else 0.0
+        saved_s = self.saving_s * (sum(admissible) > max(admissible, default=0)) if self.held_s else 0.0
         self.credit_s, self.held_s = min(self.credit_s + saved_s - self.held_s, 2 * self.saving_s), 0.0
         if not self.holding and self.saving_s > self.slot_s:
-            self._price_unheld(counts, admissible, cap)
+            self._price_unheld(counts, waiting, admissible, cap)
         return False
 
     def _held_step_s(self, admits: int, counts: memoryview) -> float:
@@ -135,14 +149,14 @@ class AdaptiveHold:
         decode step, but at least ``_STRAGGLER`` of one while any is kept (a straggler)."""
         return self.decode_s * max(admits / max(sum(counts), 1), _STRAGGLER * bool(admits))
 
-    def _price_unheld(self, counts: memoryview, admissible: memoryview, cap: int) -> None:
+    def _price_unheld(self, counts: memoryview, waiting: memoryview, admissible: list[int], cap: int) -> None:
         """Not holding, where a hold would save: price the hold that would have started here into the same ledger.
         It would have lasted until every rank then at its cap (``full``) had left it, kept the requests of the ranks
         admitting then (``starters``; unheld, they admit and fill their slots), and aligned them if another rank had a
         request to admit before it ended (as a made hold ends: its full ranks left their cap, or its budget ran out)."""
         full, starters, admits, cost_s, aligned = self.unheld
         if not full:  # none in flight: one starts where a hold would
-            if max(counts) >= cap and (admits := sum(admissible)):
+            if _aligns(counts, waiting, cap) and (admits := sum(admissible)):
                 full = frozenset(r for r, c in enumerate(counts) if c >= cap)
                 starters = frozenset(r for r, n in enumerate(admissible) if n)
                 self.unheld = (full, starters, admits, 0.0, len(starters) > 1)

@@ -52,7 +52,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_ascend.core.balance_rule import COLUMNS, ROW, AdaptiveHold, gate_rule, rank_row
+from vllm_ascend.core.balance_rule import COLUMNS, ROW, AdaptiveHold, gate_rule
 from vllm_ascend.core.balance_seam import CAP_COUNTS, refuse_if, schedule_seam
 
 # The gate's counts ride to the front-end (balance_metrics) under this key prefix in SchedulerStats'
@@ -122,7 +122,7 @@ class BalanceSchedulingMixin:
     def balance_row(self) -> list[int]:
         """This rank's gathered values (``balance_rule.ROW``); the finished step is reported once."""
         step, self._balance_step = self._balance_step, (0, 0)
-        return rank_row(self.balance_count(), self.get_request_counts()[1], self.balance_gate_threshold, step)
+        return [self.balance_count(), self.get_request_counts()[1], *step]
 
     def balance_gather(self, dp_group: ProcessGroup) -> None:
         """All-gather every rank's ``balance_row()``, then decide the gate for the next step (``balance_update``).

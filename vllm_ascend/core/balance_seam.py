@@ -188,8 +188,7 @@ def schedule_shape(schedule_source: str, module_source: str, where: str = "sched
             if isinstance(parent, ast.If) and node in parent.body and _requires_unpaused(parent.test):
                 return True
             if isinstance(parent, ast.While) and node in parent.body:
-                earlier = [_cap_test(s) for s in parent.body[: parent.body.index(node)]]
-                if any(test and test[1] == held_cap for test in earlier):
+                if any((test := _cap_test(s)) and test[1] == held_cap for s in parent.body[: parent.body.index(node)]):
                     return True
             if isinstance(parent, ast.FunctionDef) and parent is not root:
                 calls = _calls(root, parent.name)

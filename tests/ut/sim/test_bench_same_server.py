@@ -143,12 +143,12 @@ def test_emulated_graph_mode_delays_a_forward_with_a_prefill_only(
 def _run_of(step_ms: Any, steps: int, cap: int = 32) -> dict[str, Any]:
     """A bench run whose trace has ``steps`` two-rank steps: rank 0 prefills every fourth step, rank 1 every fifth
     (256-2048 tokens), each step lasting ``step_ms(prefill tokens of the group)``. Every 40 steps rank 1 admits a
-    request while rank 0 is at its cap, and rank 0 leaves its cap with one of its own the step after: a hold would
-    have aligned them."""
+    request while rank 0 is at its cap with one of its own waiting, which it admits as it leaves its cap the step
+    after: a hold would have aligned them."""
     records = []
     for it in range(steps):
         prefill = [256 * (1 + it % 7) * (it % 4 == 0), 256 * (1 + it % 3) * (it % 5 == 0)]
-        running, waiting = {10: ([cap, cap - 1], [0, 1]), 11: ([cap - 1, cap], [1, 0])}.get(
+        running, waiting = {10: ([cap, cap - 1], [1, 1]), 11: ([cap - 1, cap], [1, 0])}.get(
             it % 40, ([cap - 2] * 2, [0, 0])
         )
         for rank in range(2):

@@ -52,7 +52,7 @@ scale-up would join a group whose running ranks never run the start-up agreement
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import vllm.v1.engine.core as engine_core_module
@@ -61,6 +61,8 @@ from vllm.config import SchedulerConfig, VllmConfig
 from vllm.logger import logger
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.engine.core import EngineCoreProc
+
+from vllm_ascend.core import balance_rule, balance_seam
 
 BALANCE_SCHEDULING_ENV = "VLLM_ASCEND_BALANCE_SCHEDULING"
 BALANCE_SCHEDULING_CONFIG_KEY = "enable_balance_scheduling"
@@ -88,11 +90,9 @@ def balance_scheduling_flag() -> bool:
 
 def switches(vllm_config: VllmConfig) -> list[tuple[str, bool]]:
     """Every switch that is set, as ``(what the user wrote, value)``, most specific first; each one checked."""
-    # vLLM allows other objects for plugins.
-    additional = vllm_config.additional_config if isinstance(vllm_config.additional_config, Mapping) else {}
     found = []
-    for label, holder in ((NESTED_SWITCH, additional.get("scheduler_config")), (TOP_LEVEL_SWITCH, additional)):
-        if isinstance(holder, Mapping) and BALANCE_SCHEDULING_CONFIG_KEY in holder:
+    for label, holder in zip((NESTED_SWITCH, TOP_LEVEL_SWITCH), balance_rule.option_mappings(vllm_config)):
+        if BALANCE_SCHEDULING_CONFIG_KEY in holder:
             value = holder[BALANCE_SCHEDULING_CONFIG_KEY]
             if not isinstance(value, bool):
                 raise ValueError(f"{label}={value!r} is not valid: true or false (JSON), e.g. {SWITCH_EXAMPLE}.")
@@ -225,10 +225,8 @@ def install_engine_route() -> None:
     global _vllm_run_engine_core
     if EngineCoreProc.run_engine_core is run_engine_core:
         return
-    from vllm_ascend.core.balance_seam import engine_seam_problems, refuse_if
-
-    refuse_if(
-        engine_seam_problems(),
+    balance_seam.refuse_if(
+        balance_seam.engine_seam_problems(),
         "Balance scheduling is on, but the installed vLLM's engine core no longer offers the seam the balance "
         "gather relies on (one gather per active DP engine step)",
         f"For this vLLM, {SWITCHES_OFF}.",
@@ -240,10 +238,9 @@ def install_engine_route() -> None:
 def install_ray_route() -> None:
     """Front-end side, Ray DP backend: vLLM's actor launcher builds the balanced actor (idempotent)."""
     from vllm_ascend.core.balance_engine_core import BalanceDPMoEEngineCoreActor
-    from vllm_ascend.core.balance_seam import ray_seam_problems, refuse_if
 
-    refuse_if(
-        ray_seam_problems(),
+    balance_seam.refuse_if(
+        balance_seam.ray_seam_problems(),
         "Balance scheduling is on with data_parallel_backend='ray', but the installed vLLM's Ray DP engine "
         "actors no longer offer the seam the balance gather relies on",
         f"Use the multiprocessing DP backend (the default) or {SWITCHES_OFF}.",
