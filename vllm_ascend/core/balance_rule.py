@@ -52,7 +52,7 @@ and the ledger that trusted the first hold and retried as its debt faded -5.3 % 
 pairs), none is made. Nor is one (made or priced) for a full rank without a request of its own waiting: it leaves its
 cap with nothing to admit, so the held rank admits alone, unless a request happens to reach the full rank just then
 (closed loop, 32 per rank, spread lengths, same penalty: holds priced as aligning by such chance arrivals were made,
-and those runs lost 6-14 % tok/s with TPOT up 18-62 %).
+and those runs lost 14.1 % tok/s, pairs 6-20 %, with TPOT up 62 %, paired medians of 3).
 
 Every cost is measured, from values every rank gathers each step (``ROW``), so every rank computes the same numbers:
 the fixed extra is the ``any prefill`` coefficient of a least-squares fit of the DP group's step times on (1, any

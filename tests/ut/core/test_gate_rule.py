@@ -288,8 +288,8 @@ def test_holds_that_align_keep_holding_and_two_that_do_not_stop_them() -> None:
 def test_a_hold_waits_only_for_a_full_rank_with_a_request_of_its_own() -> None:
     """A closed loop's router sends the next request to the rank with the free slot, so the full rank leaves its cap
     with nothing to admit and a hold for it ends with the held rank admitting alone (measured on the real engine with
-    an emulated graph penalty: such holds lost 6-14 % tok/s). The gate stays open for those; it holds while the full
-    rank has a request of its own to admit as it leaves its cap."""
+    an emulated graph penalty: such holds lost 14.1 % tok/s, pairs 6-20 %). The gate stays open for those; it holds
+    while the full rank has a request of its own to admit as it leaves its cap."""
     hold = AdaptiveHold(DP)
     group_steps(hold, 600, penalty_ms=150.0)
     aligned_unheld(hold)
