@@ -91,8 +91,8 @@ def option_mappings(vllm_config: VllmConfig) -> tuple[Mapping[str, object], Mapp
 def gate_rule(vllm_config: VllmConfig) -> str:
     """``additional_config['scheduler_config']['balance_gate_rule']``, else ``VLLM_ASCEND_BALANCE_GATE_RULE``, else
     ``adaptive``; anything but a known rule is an error."""
-    rule = str(option_mappings(vllm_config)[0].get(RULE_KEY, os.environ.get(RULE_ENV, "adaptive")))
-    if rule not in RULES:
+    rule = option_mappings(vllm_config)[0].get(RULE_KEY, os.environ.get(RULE_ENV, "adaptive"))
+    if not isinstance(rule, str) or rule not in RULES:  # the value as the user wrote it: 1 is not '1'
         raise ValueError(f"Balance gate rule {rule!r} ({RULE_KEY} or {RULE_ENV}) is not valid: one of {RULES}.")
     return rule
 

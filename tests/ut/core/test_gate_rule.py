@@ -89,6 +89,10 @@ def test_gate_rule_default_env_and_config(tiny_moe_model: Path, monkeypatch: pyt
     monkeypatch.setenv(RULE_ENV, "cap-1")
     with pytest.raises(ValueError, match=rf"'cap-1' \(balance_gate_rule or {RULE_ENV}\) is not valid"):
         gate_rule(make_vllm_config(tiny_moe_model))
+    # A config value is reported as written: a JSON number is not the string a user might take it for.
+    wrong = {"scheduler_config": {"balance_gate_rule": 1}}
+    with pytest.raises(ValueError, match=rf"rule 1 \(balance_gate_rule or {RULE_ENV}\) is not valid"):
+        gate_rule(make_vllm_config(tiny_moe_model, additional_config=wrong))
 
 
 def test_it_measures_the_fixed_cost_of_a_prefill_step_and_holds_up_to_it(caplog: pytest.LogCaptureFixture) -> None:
