@@ -97,14 +97,6 @@ def gate_rule(vllm_config: VllmConfig) -> str:
     return rule
 
 
-def _aligns(counts: memoryview, waiting: memoryview, cap: int) -> bool:
-    """A hold can align only with a rank at its cap that has a request waiting, to admit as it leaves the cap. In a
-    closed loop the router sends the next request to the rank with free slots, so a full rank seldom has one
-    (measured, with an emulated graph penalty: holds for a full rank with none ended with the held rank admitting
-    alone)."""
-    return any(w for c, w in zip(counts, waiting) if c >= cap)
-
-
 class AdaptiveHold:
     """The ``adaptive`` rule's state; ``update`` runs once per gather on every rank, with identical rows."""
 
@@ -123,16 +115,24 @@ class AdaptiveHold:
         """Learn from the step the gathered ``ROW``s report, then decide whether the gate is closed for the next
         step. ``rows``: every rank's row, rank after rank (the gathered int32 buffer, flat). A step copies the rows for
         the next refit and reads only what decides (at DP 64 a maximum or sum over the ranks costs about 1 us)."""
-        counts, waiting = rows[COLUMNS[0]], rows[COLUMNS[1]]
+        counts, waiting = rows[COLUMNS[0]].tolist(), rows[COLUMNS[1]].tolist()  # lists: iterated faster
         if any(rows[COLUMNS[3]]):  # a rank finished a step since the last gather
             self.fresh[(at := self.steps % _REFIT_EVERY * len(rows)) : at + len(rows)] = rows
             # The ledger fades as the fit's old steps do: after holds that lost, holds are tried again.
             self.steps, self.credit_s = self.steps + 1, self.credit_s * _FADE
             if self.steps % _REFIT_EVERY == 0:
                 self._refit(len(counts) * cap)
-        # What each rank's free slots would take of its waiting requests, read only where a hold can be made or priced.
-        admissible = [max(min(cap - c, w), 0) for c, w in zip(counts, waiting)] if self.saving_s > self.slot_s else []
-        if self.holding and _aligns(counts, waiting, cap):  # not holding: no reduction over the ranks
+        # A hold (made or priced) can align only with a rank at its cap that has a request waiting, to admit as it
+        # leaves the cap. In a closed loop the router sends the next request to the rank with free slots, so a full
+        # rank seldom has one (measured, with an emulated graph penalty: holds for a full rank with none ended with the
+        # held rank admitting alone). Read where a hold is made or a priced one starts: none is priced in flight.
+        saves = self.saving_s > self.slot_s  # a hold would save more than one idle slot-step
+        aligns = saves and not self.unheld[0] and any(waiting) and any(w for c, w in zip(counts, waiting) if c >= cap)
+        # What each rank's free slots would take of its waiting requests, read only where a hold is made or ends, or one
+        # is priced that has not yet aligned (at DP 64 a list over the ranks costs 3-9 us, in a step up to 20).
+        reads = saves and (self.held_s or not self.unheld[4] and (aligns or self.unheld[0]))
+        admissible = [w if w < cap - c else max(cap - c, 0) for c, w in zip(counts, waiting)] if reads else []
+        if self.holding and aligns:
             if self.held_s + (cost_s := self._held_step_s(sum(admissible), counts)) <= self.saving_s:
                 self.held_s += cost_s
                 return True
@@ -140,23 +140,23 @@ class AdaptiveHold:
         # ranks admit at once. The ledger keeps at most two holds' saving ahead, so holds that stop aligning stop soon.
         saved_s = self.saving_s * (sum(admissible) > max(admissible, default=0)) if self.held_s else 0.0
         self.credit_s, self.held_s = min(self.credit_s + saved_s - self.held_s, 2 * self.saving_s), 0.0
-        if not self.holding and self.saving_s > self.slot_s:
-            self._price_unheld(counts, waiting, admissible, cap)
+        if not self.holding and saves:
+            self._price_unheld(counts, admissible, cap, aligns)
         return False
 
-    def _held_step_s(self, admits: int, counts: memoryview) -> float:
+    def _held_step_s(self, admits: int, counts: list[int]) -> float:
         """One more held step (made or priced unheld) costs the requests it keeps from free slots, their share of a
         decode step, but at least ``_STRAGGLER`` of one while any is kept (a straggler)."""
         return self.decode_s * max(admits / max(sum(counts), 1), _STRAGGLER * bool(admits))
 
-    def _price_unheld(self, counts: memoryview, waiting: memoryview, admissible: list[int], cap: int) -> None:
+    def _price_unheld(self, counts: list[int], admissible: list[int], cap: int, aligns: bool) -> None:
         """Not holding, where a hold would save: price the hold that would have started here into the same ledger.
         It would have lasted until every rank then at its cap (``full``) had left it, kept the requests of the ranks
         admitting then (``starters``; unheld, they admit and fill their slots), and aligned them if another rank had a
         request to admit before it ended (as a made hold ends: its full ranks left their cap, or its budget ran out)."""
         full, starters, admits, cost_s, aligned = self.unheld
         if not full:  # none in flight: one starts where a hold would
-            if _aligns(counts, waiting, cap) and (admits := sum(admissible)):
+            if aligns and (admits := sum(admissible)):
                 full = frozenset(r for r, c in enumerate(counts) if c >= cap)
                 starters = frozenset(r for r, n in enumerate(admissible) if n)
                 self.unheld = (full, starters, admits, 0.0, len(starters) > 1)

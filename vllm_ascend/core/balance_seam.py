@@ -262,9 +262,7 @@ def engine_seam_problems(core_source: str | None = None, launcher_source: str | 
     targets = [kw.value for call in ast.walk(launcher) if isinstance(call, ast.Call) for kw in call.keywords]
     problems = _busy_loop_problems(core) + _launch_problems(core)
     if not any(_is(target, _LAUNCH) for target in targets):
-        problems.append(
-            f"vllm.v1.engine.utils no longer launches engine cores with target={_LAUNCH}: the front-end route is gone"
-        )
+        problems.append(f"vllm.v1.engine.utils no longer launches with target={_LAUNCH}: the front-end route is gone")
     return problems
 
 
