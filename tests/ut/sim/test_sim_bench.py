@@ -33,12 +33,17 @@ def test_tiny_benchmark_prints_ratios(capsys: pytest.CaptureFixture[str]) -> Non
     header, rule, row = out.splitlines()[2:5]
     assert header.split()[:3] == ["DP", "stock", "µs"] and set(rule) == {"-"}
     assert row.split()[0] == "4" and all(float(cell) > 0 for cell in row.split()[1:])
-    # The gate's own parts, for ours' three variants: each timed, so each above 0.
+    # The gate's own parts, for ours' four variants: each timed, so each above 0.
     gate = out.split("the gate's own work inside the whole step")[1].split("\n\n")[0].splitlines()[3:]
-    assert [line.split()[1:3] for line in gate] == [["ours", "on,"], ["ours", "on,"], ["ours", "adaptive,"]]
+    assert [line.split()[1:3] for line in gate] == [
+        ["ours", "on,"],
+        ["ours", "on,"],
+        ["ours", "adaptive,"],
+        ["ours", "adaptive,"],
+    ]
     assert all(float(cell) > 0 for line in gate for cell in line.split()[-4:])
     # The share of steps the gate was closed: what each variant measured (the adaptive rule has not fitted in 3 steps).
-    assert [line.split()[-5] for line in gate] == ["0", "100", "0"]
+    assert [line.split()[-5] for line in gate] == ["0", "100", "0", "0"]
 
 
 def test_bad_dp_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,10 +54,12 @@ def test_bad_dp_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_target_is_ours_worst_beside_stock_against_itself() -> None:
-    """The verdict judges ours' three variants only: never stock against itself (first) or vllm-ascend's copy (last)."""
-    line = bench_overhead.target_verdict("ours", [1.5, 1.01, 1.0, 0.99, 2.0])
+    """The verdict judges ours' four variants only (the adaptive rule pricing holds, the fourth, included): never
+    stock against itself (first) or vllm-ascend's copy (last)."""
+    line = bench_overhead.target_verdict("ours", [1.5, 1.01, 1.0, 0.99, 1.0, 2.0])
     assert line.endswith("1.010x -> met (stock against itself: 1.500x)")
-    assert "1.030x -> NOT met" in bench_overhead.target_verdict("ours", [1.0, 1.0, 1.03, 0.99])
+    assert "1.030x -> NOT met" in bench_overhead.target_verdict("ours", [1.0, 1.0, 1.03, 0.99, 1.0])
+    assert "1.040x -> NOT met" in bench_overhead.target_verdict("ours", [1.0, 1.0, 1.0, 0.99, 1.04, 1.0])
 
 
 def test_each_round_builds_fresh_schedulers_in_a_new_order() -> None:
