@@ -60,8 +60,8 @@ prefill, the largest and the summed prefill tokens of the ranks, running request
 residual over the steps with a prefill; a decode step's time is the mean of steps without a prefill. Old steps fade
 out (a half-life of about 700 steps). A step copies the rows aside and reads only what decides; every 32 steps the
 refit reduces them (numpy, never inside a step: cold, a numpy or torch call costs tens of us there). At DP 64 the
-rule's update costs 9-11 us median inside a step and 18-21 us mean with its refit (bench_overhead, stop 40; side by
-side in one process, 9 against 14 us median and 26 against 50 us mean for the torch refit it replaced).
+rule's update costs 11 us median inside a step and 20 us mean with its refit, 17 and 27 us while it prices a hold
+every step (bench_overhead, stop 45; the torch refit it replaced, side by side at stop 40: 14 against 9 us median).
 """
 
 import os
