@@ -24,7 +24,10 @@ rank's median time outside its step. It writes ``<out>/bench.json`` (every run, 
 summary) and ``<out>/bench.png``, and explains each regime from those counters.
 
     .venv-v0.32.0-cpu/bin/python scripts/bench_engine.py [--reps 3] [--regimes ...] [--arms ...] [--bind 0|1]
-        [--same-server K] [--from-runs runs.json]
+        [--same-server K] [--from-runs runs.json] [--bar-of bench.json ...]
+
+It also holds each arm against the bar of issue 22 (tok/s >= 0.98 x off, TTFT <= +10 %, TPOT <= off, paired medians),
+stock against itself too (``--bar-of``: the same over earlier summaries, with how often each arm cleared it).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ DP_SIZE = 2
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms", "mean_e2el_ms")
 LABELS = {"output_throughput": "tok/s", "mean_tpot_ms": "TPOT ms", "mean_ttft_ms": "TTFT ms", "mean_e2el_ms": "e2e ms"}
 HIGHER_IS_BETTER = {"output_throughput"}
+# The bar a balanced arm must clear against off (issue 22), on the paired medians: tok/s >= 0.98 x off, mean TTFT at
+# most +10 %, TPOT no worse than off.
+BAR = {"output_throughput": -0.02, "mean_ttft_ms": 0.10, "mean_tpot_ms": 0.0}
 
 
 @dataclass(frozen=True)
@@ -416,6 +422,43 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def bar_misses(row: dict[str, Any]) -> list[str]:
+    """What of the bar a summary row's paired medians miss (empty: inside)."""
+    paired = row["paired"]
+    return [
+        f"{LABELS[m]} {paired[m]:+.1%}"
+        for m, limit in BAR.items()
+        if (paired[m] < limit if m in HIGHER_IS_BETTER else paired[m] > limit)
+    ]
+
+
+def bar_verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Every arm but off against the bar, stock against itself (``off-<tag>``) too: an arm that schedules as stock does
+    clears it only as often as stock against itself does, which is the bench's resolution, not a rule's effect."""
+    return [
+        f"{row['regime']} {row['arm']} ({row['n']} pairs): "
+        + ("outside: " + ", ".join(misses) if (misses := bar_misses(row)) else "inside")
+        for row in rows
+        if row["arm"] != "off"
+    ]
+
+
+def bar_of(summaries: list[Path]) -> None:
+    """The bar over earlier benches' summaries (``bench.json``): each verdict, then how often each arm cleared it.
+    Summaries from before paired medians (one server per arm and repetition, until stop 33) are passed over."""
+    cleared: dict[str, list[bool]] = {}
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        rows = [row for row in summary["rows"] if "paired" in row]
+        print(f"{path.name} ({summary['args'].get('prefill_penalty_ms', '0.0')} ms penalty):")
+        print("\n".join("  " + line for line in bar_verdicts(rows)) if rows else "  no paired medians")
+        for row in (row for row in rows if row["arm"] != "off"):
+            arm = "off-<tag>" if row["arm"].startswith("off-") else row["arm"]
+            cleared.setdefault(arm, []).append(not bar_misses(row))
+    for arm, verdicts in cleared.items():  # an arm's rule is the one its bench's stop shipped
+        print(f"{arm}: inside the bar in {sum(verdicts)} of {len(verdicts)} regime runs")
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -463,12 +506,17 @@ def main() -> None:
     )
     parser.add_argument("--from-runs", type=Path, help="no servers: summarise a runs.json an earlier bench wrote")
     parser.add_argument(
+        "--bar-of", type=Path, nargs="+", metavar="BENCH_JSON", help="no servers: earlier summaries against the bar"
+    )
+    parser.add_argument(
         "--prefill-penalty-ms",
         type=float,
         default=0.0,
         help="emulated graph mode: a forward whose batch holds a prefill first waits this long (every rank with it)",
     )
     args = parser.parse_args()
+    if args.bar_of:
+        return bar_of(args.bar_of)
     arms = args.arms.split(",")
     for arm in arms:
         arm_args(arm)
@@ -516,7 +564,11 @@ def main() -> None:
     print("\n" + "\n".join(notes))
     replayed = replay_rule(runs)
     print("\nThe adaptive rule replayed on the measured steps:\n" + "\n".join(replayed))
-    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "explain": notes, "replay": replayed}
+    verdicts = bar_verdicts(rows)
+    print(f"\nAgainst the bar ({', '.join(f'{LABELS[m]} {v:+.0%}' for m, v in BAR.items())} against off):\n"
+          + "\n".join(verdicts))  # fmt: skip
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "explain": notes, "replay": replayed,
+               "bar": verdicts}  # fmt: skip
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot(rows, args.out / "bench.png")
     print(f"\nwrote {args.out}/bench.json, runs.json, bench.png; wall {time.monotonic() - started:.0f} s")

@@ -169,3 +169,36 @@ def test_the_rule_replayed_on_measured_steps_holds_only_for_a_fixed_extra_beyond
     assert held.startswith("closed-32-fixed off rep 0: holding in ") and "holding in 0 of" not in held, held
     assert "fixed extra 30" in held and "saving 2" in held, held
     assert "holding in 0 of 400 steps" in not_held and "saving 0.0 ms" in not_held, not_held
+
+
+def _row(arm: str, tok_s: float, tpot: float, ttft: float) -> dict[str, Any]:
+    paired = {"output_throughput": tok_s, "mean_tpot_ms": tpot, "mean_ttft_ms": ttft, "mean_e2el_ms": 0.0}
+    return {"regime": "closed-32-spread", "arm": arm, "n": 6, "paired": paired}
+
+
+def test_the_bar_holds_every_arm_but_off_to_all_three_bounds(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``bench_engine.bar_verdicts``: tok/s at least 0.98 x off, TTFT at most +10 %, TPOT no worse than off, each
+    bound inclusive and each miss named; ``--bar-of`` counts, per arm, the regime runs inside it."""
+    bench = load("bench_engine_bar", ROOT / "scripts/bench_engine.py")
+    rows = [
+        _row("off", 0.0, 0.0, 0.0),
+        _row("off-b", -0.02, 0.0, 0.10),
+        _row("balance", -0.021, 0.001, 0.101),
+        _row("cap", 0.05, -0.01, 0.2),
+    ]
+    assert bench.bar_verdicts(rows) == [
+        "closed-32-spread off-b (6 pairs): inside",
+        "closed-32-spread balance (6 pairs): outside: tok/s -2.1%, TTFT ms +10.1%, TPOT ms +0.1%",
+        "closed-32-spread cap (6 pairs): outside: TTFT ms +20.0%",
+    ]
+    summaries = []
+    for name, summary_rows in (("a.json", rows), ("b.json", [_row("off", 0, 0, 0), _row("off-c", -0.03, 0, 0)])):
+        summaries.append(tmp_path / name)
+        summaries[-1].write_text(json.dumps({"args": {"prefill_penalty_ms": "300.0"}, "rows": summary_rows}))
+    bench.bar_of(summaries)
+    totals = capsys.readouterr().out.splitlines()[-3:]
+    assert totals == [
+        "off-<tag>: inside the bar in 1 of 2 regime runs",
+        "balance: inside the bar in 0 of 1 regime runs",
+        "cap: inside the bar in 0 of 1 regime runs",
+    ], totals
