@@ -422,25 +422,23 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def bar_misses(row: dict[str, Any]) -> list[str]:
-    """What of the bar a summary row's paired medians miss (empty: inside)."""
+def bar_verdict(row: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a summary row's paired medians are inside the bar, and the line that says so, naming each miss."""
     paired = row["paired"]
-    return [
+    misses = [
         f"{LABELS[m]} {paired[m]:+.1%}"
         for m, limit in BAR.items()
         if (paired[m] < limit if m in HIGHER_IS_BETTER else paired[m] > limit)
     ]
+    return not misses, f"{row['regime']} {row['arm']} ({row['n']} pairs): " + (
+        "outside: " + ", ".join(misses) if misses else "inside"
+    )
 
 
 def bar_verdicts(rows: list[dict[str, Any]]) -> list[str]:
     """Every arm but off against the bar, stock against itself (``off-<tag>``) too: an arm that schedules as stock does
     clears it only as often as stock against itself does, which is the bench's resolution, not a rule's effect."""
-    return [
-        f"{row['regime']} {row['arm']} ({row['n']} pairs): "
-        + ("outside: " + ", ".join(misses) if (misses := bar_misses(row)) else "inside")
-        for row in rows
-        if row["arm"] != "off"
-    ]
+    return [bar_verdict(row)[1] for row in rows if row["arm"] != "off"]
 
 
 def bar_of(summaries: list[Path]) -> None:
@@ -449,12 +447,14 @@ def bar_of(summaries: list[Path]) -> None:
     cleared: dict[str, list[bool]] = {}
     for path in summaries:
         summary = json.loads(path.read_text())
-        rows = [row for row in summary["rows"] if "paired" in row]
+        rows = [row for row in summary["rows"] if "paired" in row and row["arm"] != "off"]
         print(f"{path.name} ({summary['args'].get('prefill_penalty_ms', '0.0')} ms penalty):")
-        print("\n".join("  " + line for line in bar_verdicts(rows)) if rows else "  no paired medians")
-        for row in (row for row in rows if row["arm"] != "off"):
-            arm = "off-<tag>" if row["arm"].startswith("off-") else row["arm"]
-            cleared.setdefault(arm, []).append(not bar_misses(row))
+        if not rows:
+            print("  no paired medians")
+        for row in rows:
+            inside, line = bar_verdict(row)
+            print("  " + line)
+            cleared.setdefault("off-<tag>" if row["arm"].startswith("off-") else row["arm"], []).append(inside)
     for arm, verdicts in cleared.items():  # an arm's rule is the one its bench's stop shipped
         print(f"{arm}: inside the bar in {sum(verdicts)} of {len(verdicts)} regime runs")
 
