@@ -334,9 +334,8 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
             row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
             # The median over repetitions of arm / first arm within the same repetition (interleaved pairs).
             first = {r["rep"]: r for r in base_runs}
-            row["paired"] = {
-                m: statistics.median(r[m] / first[r["rep"]][m] - 1 for r in mine if r["rep"] in first) for m in METRICS
-            }
+            row["pairs"] = {m: [r[m] / first[r["rep"]][m] - 1 for r in mine if r["rep"] in first] for m in METRICS}
+            row["paired"] = {m: statistics.median(row["pairs"][m]) for m in METRICS}
             # The schedule's length for the same work: far less noisy than the times in a closed loop (a slow machine
             # makes every step slower, not more steps), so a change in it is the schedule's, not the machine's.
             steps = [r["engine"]["steps"] / first[r["rep"]]["engine"]["steps"] - 1 for r in mine if r["rep"] in first]
@@ -422,29 +421,53 @@ def replay_rule(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def bar_verdict(row: dict[str, Any]) -> tuple[bool, str]:
-    """Whether a summary row's paired medians are inside the bar, and the line that says so, naming each miss."""
-    paired = row["paired"]
-    misses = [
-        f"{LABELS[m]} {paired[m]:+.1%}"
-        for m, limit in BAR.items()
-        if (paired[m] < limit if m in HIGHER_IS_BETTER else paired[m] > limit)
-    ]
-    return not misses, f"{row['regime']} {row['arm']} ({row['n']} pairs): " + (
-        "outside: " + ", ".join(misses) if misses else "inside"
+def median_interval(values: list[float]) -> tuple[float, float] | None:
+    """A distribution-free interval holding the median of the pairs' population with >= 95 % confidence: the k-th
+    smallest and k-th largest pair, k the largest with P(Binomial(n, 1/2) < k) <= 2.5 %. None below 6 pairs (with
+    5, the widest such interval, the extremes, covers 94 %)."""
+    n, k, below = len(values), 0, 0.0
+    while (below := below + math.comb(n, k) / 2**n) <= 0.025:
+        k += 1
+    return (sorted(values)[k - 1], sorted(values)[n - k]) if k else None
+
+
+def beyond_bar(metric: str, change: float) -> bool:
+    """Whether a paired change of ``metric`` against off is outside its bound (``BAR``; each bound inclusive)."""
+    return change < BAR[metric] if metric in HIGHER_IS_BETTER else change > BAR[metric]
+
+
+def bar_verdict(row: dict[str, Any]) -> tuple[bool, bool | None, str]:
+    """Whether a summary row's paired medians are inside the bar; whether some bound's 95 % interval
+    (``median_interval``) is wholly outside it (None without pairs: summaries before stop 47, or under 6); and the line
+    that says so, naming each miss and what each interval reads: ``shown`` (wholly inside), ``against`` (wholly
+    outside) or ``unresolved``."""
+    paired, pairs = row["paired"], row.get("pairs", {})
+    misses = [f"{LABELS[m]} {paired[m]:+.1%}" for m in BAR if beyond_bar(m, paired[m])]
+    line = f"{row['regime']} {row['arm']} ({row['n']} pairs): " + (
+        f"outside: {', '.join(misses)}" if misses else "inside"
     )
+    reads, against = [], None
+    for metric in BAR:
+        if interval := median_interval(pairs.get(metric, [])):
+            outside = sum(beyond_bar(metric, end) for end in interval)
+            reads.append(f"{LABELS[metric]} [{interval[0]:+.1%}, {interval[1]:+.1%}] "
+                         + ("shown", "unresolved", "against")[outside])  # fmt: skip
+            against = bool(against) or outside == 2
+    return not misses, against, line + ("; 95 % intervals: " + ", ".join(reads) if reads else "")
 
 
 def bar_verdicts(rows: list[dict[str, Any]]) -> list[str]:
     """Every arm but off against the bar, stock against itself (``off-<tag>``) too: an arm that schedules as stock does
     clears it only as often as stock against itself does, which is the bench's resolution, not a rule's effect."""
-    return [bar_verdict(row)[1] for row in rows if row["arm"] != "off"]
+    return [bar_verdict(row)[2] for row in rows if row["arm"] != "off"]
 
 
 def bar_of(summaries: list[Path]) -> None:
-    """The bar over earlier benches' summaries (``bench.json``): each verdict, then how often each arm cleared it.
-    Summaries from before paired medians (one server per arm and repetition, until stop 33) are passed over."""
+    """The bar over earlier benches' summaries (``bench.json``): each verdict, then how often each arm cleared it and,
+    of its runs with intervals, how often one was wholly outside a bound. Summaries from before paired medians (one
+    server per arm and repetition, until stop 33) are passed over."""
     cleared: dict[str, list[bool]] = {}
+    against: dict[str, list[bool]] = {}
     for path in summaries:
         summary = json.loads(path.read_text())
         rows = [row for row in summary["rows"] if "paired" in row and row["arm"] != "off"]
@@ -452,11 +475,16 @@ def bar_of(summaries: list[Path]) -> None:
         if not rows:
             print("  no paired medians")
         for row in rows:
-            inside, line = bar_verdict(row)
+            inside, measured_outside, line = bar_verdict(row)
             print("  " + line)
-            cleared.setdefault("off-<tag>" if row["arm"].startswith("off-") else row["arm"], []).append(inside)
+            arm = "off-<tag>" if row["arm"].startswith("off-") else row["arm"]
+            cleared.setdefault(arm, []).append(inside)
+            if measured_outside is not None:
+                against.setdefault(arm, []).append(measured_outside)
     for arm, verdicts in cleared.items():  # an arm's rule is the one its bench's stop shipped
-        print(f"{arm}: inside the bar in {sum(verdicts)} of {len(verdicts)} regime runs")
+        print(f"{arm}: inside the bar in {sum(verdicts)} of {len(verdicts)} regime runs"
+              + (f"; wholly outside a bound in {sum(against[arm])} of the {len(against[arm])} with intervals"
+                 if arm in against else ""))  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

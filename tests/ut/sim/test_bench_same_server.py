@@ -202,3 +202,34 @@ def test_the_bar_holds_every_arm_but_off_to_all_three_bounds(tmp_path: Path, cap
         "balance: inside the bar in 0 of 1 regime runs",
         "cap: inside the bar in 0 of 1 regime runs",
     ], totals
+
+
+def test_the_bar_reads_each_bound_s_interval_from_the_pairs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """With six or more pairs each bound's distribution-free 95 % interval for the median is read as shown (wholly
+    inside), unresolved (across the bound) or against (wholly outside); below six there is none, and ``--bar-of``
+    counts the runs with a bound against only among those with intervals."""
+    bench = load("bench_engine_intervals", ROOT / "scripts/bench_engine.py")
+    assert bench.median_interval([0.05, 0.01, 0.04, 0.02, 0.03]) is None
+    assert bench.median_interval([0.06, 0.01, 0.04, 0.02, 0.03, 0.05]) == (0.01, 0.06)  # the extremes: 96.9 %
+    assert bench.median_interval([x / 100 for x in range(12, 0, -1)]) == (0.03, 0.10)  # 3rd of 12 each side: 96.1 %
+    row = _row("balance", -0.03, -0.01, 0.02)
+    row["pairs"] = {
+        "output_throughput": [-0.05, -0.04, -0.03, -0.03, -0.025, -0.021],  # every pair below -2 %
+        "mean_tpot_ms": [-0.04, -0.02, -0.01, -0.01, 0.0, 0.03],  # across 0
+        "mean_ttft_ms": [-0.1, 0.0, 0.02, 0.02, 0.05, 0.10],  # inside +10 %, the bound inclusive
+    }
+    inside, against, line = bench.bar_verdict(row)
+    assert (inside, against) == (False, True)
+    assert line == (
+        "closed-32-spread balance (6 pairs): outside: tok/s -3.0%; 95 % intervals: tok/s [-5.0%, -2.1%] against, "
+        "TTFT ms [-10.0%, +10.0%] shown, TPOT ms [-4.0%, +3.0%] unresolved"
+    ), line
+    row["pairs"]["output_throughput"][-1] = 0.01
+    assert bench.bar_verdict(row)[:2] == (False, False)  # the median still misses, its interval no longer
+    assert bench.bar_verdict(_row("balance", 0.0, 0.0, 0.0))[:2] == (True, None)  # no pairs: a summary before stop 47
+    summary = tmp_path / "c.json"
+    summary.write_text(json.dumps({"args": {}, "rows": [_row("off", 0, 0, 0), row, _row("balance", -0.03, 0, 0)]}))
+    bench.bar_of([summary])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "balance: inside the bar in 0 of 2 regime runs; wholly outside a bound in 0 of the 1 with intervals"
+    )
