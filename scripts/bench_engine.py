@@ -27,7 +27,8 @@ summary) and ``<out>/bench.png``, and explains each regime from those counters.
         [--same-server K] [--from-runs runs.json] [--bar-of bench.json ...]
 
 It also holds each arm against the bar of issue 22 (tok/s >= 0.98 x off, TTFT <= +10 %, TPOT <= off, paired medians),
-stock against itself too (``--bar-of``: the same over earlier summaries, with how often each arm cleared it).
+stock against itself too, and with 6 or more pairs reads each bound's 95 % interval for the median: shown, unresolved
+or against (``--bar-of``: the same over earlier summaries, with how often each arm cleared it).
 """
 
 from __future__ import annotations
@@ -154,6 +155,16 @@ def run_client(args: list[str], log: Path) -> dict[str, Any]:
     add_cli_args(parser)
     with open(log, "a") as out, contextlib.redirect_stdout(out):
         return bench_main(parser.parse_args(args))
+
+
+def machine() -> str:
+    """The CPU the bench ran on, kept in its summary: runs compare only on one machine (closed-32-spread served 79-87
+    tok/s on stop 47's, without AVX-512, against stop 46's 281-355)."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    vector = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["no AVX-512"]
+    return f"{model}, {sum(line.startswith('processor') for line in info.splitlines())} cores, {' '.join(vector)}"
 
 
 def cpu_times() -> list[int]:
@@ -595,8 +606,8 @@ def main() -> None:
     verdicts = bar_verdicts(rows)
     print(f"\nAgainst the bar ({', '.join(f'{LABELS[m]} {v:+.0%}' for m, v in BAR.items())} against off):\n"
           + "\n".join(verdicts))  # fmt: skip
-    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "explain": notes, "replay": replayed,
-               "bar": verdicts}  # fmt: skip
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "rows": rows,
+               "explain": notes, "replay": replayed, "bar": verdicts}  # fmt: skip
     (args.out / "bench.json").write_text(json.dumps(summary, indent=1))
     plot(rows, args.out / "bench.png")
     print(f"\nwrote {args.out}/bench.json, runs.json, bench.png; wall {time.monotonic() - started:.0f} s")
