@@ -38,6 +38,7 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -554,6 +555,9 @@ def main() -> None:
         help="emulated graph mode: a forward whose batch holds a prefill first waits this long (every rank with it)",
     )
     args = parser.parse_args()
+    # A bounded run (timeout's SIGTERM) must take its server down too: the server runs in a session of its own, and
+    # Python's default SIGTERM exits without unwinding the `with` that stops it (stop 47: a DP server outlived it).
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     if args.bar_of:
         return bar_of(args.bar_of)
     arms = args.arms.split(",")
