@@ -159,13 +159,13 @@ def run_client(args: list[str], log: Path) -> dict[str, Any]:
 
 
 def machine() -> str:
-    """The CPU the bench ran on, kept in its summary: runs compare only on one machine (closed-32-spread served 79-87
+    """The CPU the bench ran on, kept in its summary: runs compare only on one machine (closed-32-spread served 72-87
     tok/s on stop 47's, without AVX-512, against stop 46's 281-355)."""
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
     vector = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags] or ["no AVX-512"]
-    return f"{model}, {sum(line.startswith('processor') for line in info.splitlines())} cores, {' '.join(vector)}"
+    return f"{model}, {sum(line.startswith('processor') for line in lines)} cores, {' '.join(vector)}"
 
 
 def cpu_times() -> list[int]:
@@ -346,15 +346,16 @@ def summarise(runs: list[dict[str, Any]], arms: list[str], regimes: list[Regime]
             row["change"] = {m: row[m]["median"] / base[m]["median"] - 1 for m in METRICS}
             # The median over repetitions of arm / first arm within the same repetition (interleaved pairs).
             first = {r["rep"]: r for r in base_runs}
-            row["pairs"] = {m: [r[m] / first[r["rep"]][m] - 1 for r in mine if r["rep"] in first] for m in METRICS}
+            pairs = [(r, first[r["rep"]]) for r in mine if r["rep"] in first]  # (this arm's run, off's, same rep)
+            row["pairs"] = {m: [r[m] / off[m] - 1 for r, off in pairs] for m in METRICS}
             row["paired"] = {m: statistics.median(row["pairs"][m]) for m in METRICS}
             # The schedule's length for the same work: far less noisy than the times in a closed loop (a slow machine
             # makes every step slower, not more steps), so a change in it is the schedule's, not the machine's.
-            steps = [r["engine"]["steps"] / first[r["rep"]]["engine"]["steps"] - 1 for r in mine if r["rep"] in first]
-            row["paired"]["steps"] = statistics.median(steps)
+            row["paired"]["steps"] = statistics.median(
+                r["engine"]["steps"] / off["engine"]["steps"] - 1 for r, off in pairs
+            )
             if priced:
-                repriced = [priced[id(first[r["rep"]])] / priced[id(r)] - 1 for r in mine if r["rep"] in first]
-                row["paired"]["repriced"] = statistics.median(repriced)
+                row["paired"]["repriced"] = statistics.median(priced[id(off)] / priced[id(r)] - 1 for r, off in pairs)
             rows.append(row)
     return rows
 
@@ -437,10 +438,10 @@ def median_interval(values: list[float]) -> tuple[float, float] | None:
     """A distribution-free interval holding the median of the pairs' population with >= 95 % confidence: the k-th
     smallest and k-th largest pair, k the largest with P(Binomial(n, 1/2) < k) <= 2.5 %. None below 6 pairs (with
     5, the widest such interval, the extremes, covers 94 %)."""
-    n, k, below = len(values), 0, 0.0
-    while (below := below + math.comb(n, k) / 2**n) <= 0.025:
+    ordered, k, below = sorted(values), 0, 0.0
+    while (below := below + math.comb(len(ordered), k) / 2 ** len(ordered)) <= 0.025:
         k += 1
-    return (sorted(values)[k - 1], sorted(values)[n - k]) if k else None
+    return (ordered[k - 1], ordered[-k]) if k else None
 
 
 def beyond_bar(metric: str, change: float) -> bool:
@@ -458,13 +459,11 @@ def bar_verdict(row: dict[str, Any]) -> tuple[bool, bool | None, str]:
     line = f"{row['regime']} {row['arm']} ({row['n']} pairs): " + (
         f"outside: {', '.join(misses)}" if misses else "inside"
     )
-    reads, against = [], None
-    for metric in BAR:
-        if interval := median_interval(pairs.get(metric, [])):
-            outside = sum(beyond_bar(metric, end) for end in interval)
-            reads.append(f"{LABELS[metric]} [{interval[0]:+.1%}, {interval[1]:+.1%}] "
-                         + ("shown", "unresolved", "against")[outside])  # fmt: skip
-            against = bool(against) or outside == 2
+    intervals = {m: interval for m in BAR if (interval := median_interval(pairs.get(m, [])))}
+    ends_outside = {m: sum(beyond_bar(m, end) for end in interval) for m, interval in intervals.items()}
+    reads = [f"{LABELS[m]} [{lo:+.1%}, {hi:+.1%}] {('shown', 'unresolved', 'against')[ends_outside[m]]}"
+             for m, (lo, hi) in intervals.items()]  # fmt: skip
+    against = 2 in ends_outside.values() if intervals else None
     return not misses, against, line + ("; 95 % intervals: " + ", ".join(reads) if reads else "")
 
 
